@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine:
+#   make demo   install, then train the demo model on 2 ranks with backend="graphcomp"
+#   make test   install, then run the CPU test suite (what CI runs)
+PY ?= python3
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-gpu clean
+
+# torch: keep whatever torch >= 2.11 is already there (the GPU machines bring 2.11
+# with CUDA); otherwise install the pinned CPU build (a local file on these machines:
+# seconds, never the multi-GB CUDA wheels).
+install:
+	@$(PY) -c "import torch, sys; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 11) else 1)" 2>/dev/null \
+	  || $(PY) -m pip install -q -c constraints/cpu.txt torch==2.13.0
+	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@$(PY) -m pip install -q -c constraints/cpu.txt pytest pytest-timeout hypothesis
+	@$(PY) -c "import torch, graphcomp; print(f'[install] torch {torch.__version__}, graphcomp {graphcomp.__version__}')"
+
+demo: install
+	$(PY) -m graphcomp.cli demo
+
+test: install
+	$(PY) -m pytest -q tests/cpu $(PYTEST_ARGS)
+
+# on a GPU machine (see tests/gpu/README.md)
+test-gpu: install
+	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+
+clean:
+	rm -rf graphcomp_dumps build *.egg-info .pytest_cache

@@ -1,0 +1,209 @@
+"""Every private torch API graphcomp touches, in one place, with version checks.
+
+graphcomp runs on torch 2.11 (GPU machines) and 2.13 (CPU CI). When a private
+API moves, this is the only file to change. Everything else imports from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+# --------------------------------------------------------------------------- FX
+def print_readable(gm: fx.GraphModule) -> str:
+    try:
+        return gm.print_readable(print_output=False, include_stride=True, include_device=True)
+    except TypeError:  # older signature
+        return gm.print_readable(print_output=False)
+
+
+# ---------------------------------------------------------------- structured trace
+def trace_artifact(name: str, text: str | Callable[[], str]) -> None:
+    """Emit a string artifact to torch's structured trace (``TORCH_TRACE``)."""
+    try:
+        from torch._logging import trace_structured
+    except ImportError:  # pragma: no cover
+        return
+    payload = text if callable(text) else (lambda: text)
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"}, payload_fn=payload)
+
+
+def current_compile_id() -> str | None:
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+    except Exception:
+        return None
+    return None if cid is None else str(cid)
+
+
+def is_recompile() -> bool:
+    """True when Dynamo is compiling a frame it has compiled before (a guard failed)."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        return cid is not None and getattr(cid, "frame_compile_id", 0) not in (0, None)
+    except Exception:
+        return False
+
+
+# ------------------------------------------------------------------ AOTAutograd
+def aot_autograd(**kwargs: Any) -> Callable[..., Any]:
+    from torch._dynamo.backends.common import aot_autograd as _aot
+
+    return _aot(**kwargs)
+
+
+def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    kwargs.setdefault("compiler", "inductor")
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def make_boxed_func(fn: Callable[..., Any]) -> Callable[..., Any]:
+    from torch._functorch.aot_autograd import make_boxed_func as _mb
+
+    return _mb(fn)
+
+
+def is_joint_graph(gm: fx.GraphModule) -> bool:
+    """AOTAutograd names the joint graph's cotangent inputs ``tangents_*``."""
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+
+
+# -------------------------------------------------------------------- Inductor
+def inductor_compile_fx(gm: fx.GraphModule, example_inputs: Sequence[Any], *, inner_compile: Callable[..., Any]) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    from torch._inductor.compile_fx import compile_fx_inner as _inner
+
+    return _inner(gm, example_inputs, **kwargs)
+
+
+class _JointHook:
+    """Adapter: Inductor calls ``joint_custom_pre_pass(graph)`` on the joint graph
+    (training) or the forward graph (inference) before partitioning."""
+
+    def __init__(self, fn: Callable[[fx.GraphModule], fx.GraphModule], uuid: str):
+        self.fn = fn
+        self._uuid = uuid
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        assert isinstance(gm, fx.GraphModule), "joint graph without an owning GraphModule"
+        out = self.fn(gm)
+        if out is not gm:  # a pass built a new module: move its graph and children over
+            for name, child in out.named_children():
+                setattr(gm, name, child)
+            gm.graph = out.graph
+            gm.recompile()
+
+    def uuid(self) -> Any:
+        return self._uuid
+
+
+def make_joint_hook(fn: Callable[[fx.GraphModule], fx.GraphModule], uuid: str) -> Any:
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # pragma: no cover
+        return _JointHook(fn, uuid)
+
+    class JointHook(_JointHook, CustomGraphPass):  # type: ignore[misc]
+        pass
+
+    return JointHook(fn, uuid)
+
+
+@contextlib.contextmanager
+def inductor_patches(joint_hook: Any) -> Iterator[None]:
+    """Install our joint hook and switch off the AOTAutograd cache (a cache hit
+    would skip our partition-time passes and our per-stage compile hook)."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+
+    patches: dict[str, Any] = {"joint_custom_pre_pass": joint_hook}
+    fpatches: dict[str, Any] = {}
+    if hasattr(fconfig, "enable_autograd_cache"):
+        fpatches["enable_autograd_cache"] = False
+    with iconfig.patch(patches), fconfig.patch(fpatches):
+        yield
+
+
+def inductor_decompositions() -> dict[Any, Any]:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+# ------------------------------------------------------------ fake tensors / misc
+def detect_fake_mode(inputs: Sequence[Any]) -> Any:
+    from torch._guards import detect_fake_mode as _d
+
+    return _d(inputs)
+
+
+@functools.lru_cache(None)
+def has_cudagraph_unsafe_tag() -> bool:
+    return hasattr(torch.Tag, "cudagraph_unsafe")
+
+
+# ------------------------------------------------------ functional collectives
+# graphcomp.sharding traces parameter gathers and gradient reduce-scatters into the
+# graph through the ``_c10d_functional`` ops (what Dynamo/AOTAutograd emit for
+# torch.distributed._functional_collectives and what the graph passes match). The
+# ops take the process-group *name* (a str), which Dynamo treats as a constant.
+def funcol_all_gather(t: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """All-gather ``t`` along dim 0 over the group: [c, *rest] -> [group_size*c, *rest]
+    (``_c10d_functional.all_gather_into_tensor`` + ``wait_tensor``)."""
+    out = torch.ops._c10d_functional.all_gather_into_tensor(t, group_size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def funcol_reduce_scatter_sum(t: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """Sum-reduce-scatter ``t`` along dim 0: [group_size*c, *rest] -> [c, *rest]
+    (``_c10d_functional.reduce_scatter_tensor`` + ``wait_tensor``)."""
+    out = torch.ops._c10d_functional.reduce_scatter_tensor(t, "sum", group_size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def funcol_broadcast(t: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
+    """Broadcast ``t`` from group rank ``src`` (``_c10d_functional.broadcast``)."""
+    out = torch.ops._c10d_functional.broadcast(t, src, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def process_group_name(group: Any) -> str:
+    """The registered name of a ProcessGroup (what the functional ops take)."""
+    name = getattr(group, "group_name", None)
+    if isinstance(name, str) and name:
+        return name
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
+    return _get_process_group_name(group)

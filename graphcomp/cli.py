@@ -1,0 +1,58 @@
+"""The ``graphcomp`` console script: ``inspect``, ``demo``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect_dumps import inspect_dir
+
+    try:
+        text = inspect_dir(args.dir, rank=args.rank, frame=args.frame, stage=args.stage, pass_name=args.pass_name, diff=args.diff)
+    except ValueError as e:
+        print(f"graphcomp inspect: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="graphcomp", description="graphcomp: a torch.compile backend for sharded training")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pi = sub.add_parser("inspect", help="print what the passes did, from a dump directory")
+    pi.add_argument("dir", help="Config.dump_dir / $GRAPHCOMP_DUMP_DIR of a run")
+    pi.add_argument("--rank", type=int, default=0)
+    pi.add_argument("--frame", type=int)
+    pi.add_argument("--stage", choices=["dynamo", "joint", "fwd", "bwd", "inference"])
+    pi.add_argument("--pass", dest="pass_name", metavar="PASS")
+    pi.add_argument("--diff", action="store_true", help="unified diff of --pass's before/after graph")
+
+    pd = sub.add_parser("demo", help="train the demo Llama a few steps on 2 ranks (gloo CPU, or NCCL GPUs)")
+    pd.add_argument("rest", nargs=argparse.REMAINDER, help="options for graphcomp.demo (see --help there)")
+
+    pb = sub.add_parser("bench", help="run the benchmark harness (benchmarks.run); launch it under torchrun")
+    pb.add_argument("rest", nargs=argparse.REMAINDER)
+
+    args = p.parse_args(argv)
+    if args.cmd == "inspect":
+        return _inspect(args)
+    if args.cmd == "demo":
+        from .demo import launch
+
+        return launch(args.rest)
+    if args.cmd == "bench":
+        try:
+            from benchmarks.run import main as bench_main
+        except ImportError as e:
+            print(f"graphcomp bench: the benchmarks package is not importable ({e}); run it from a source checkout", file=sys.stderr)
+            return 2
+        return int(bench_main(args.rest) or 0)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""``graphcomp.Config``: every option of the backend, in one dataclass.
+
+``torch.compile(model, backend="graphcomp", options={...})`` takes the field names
+below as keys. ``Config.from_options`` validates them: an unknown key or pass name,
+a wrong type or a value outside a closed set is a ``ValueError`` that names the
+field and the valid choices.
+
+Environment variables are read in one place only, ``graphcomp/env.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import env
+
+Codegen = Literal["inductor", "eager"]
+
+
+@dataclass(kw_only=True)
+class Config:
+    passes: dict[str, bool] = field(default_factory=dict)
+    """Per-pass enable flags, ``{pass_name: bool}``, over the registered passes
+    (``graphcomp.pipeline.registered_passes()``). A pass not named keeps its default
+    (see the pass table in the README). Unknown pass names are a ``ValueError``."""
+
+    codegen: Codegen = "inductor"
+    """How each stage graph (forward, backward, inference) is turned into code after
+    the passes ran: ``"inductor"`` compiles it with TorchInductor; ``"eager"`` runs
+    the FX graph as it is (useful to debug a pass without Inductor in the way)."""
+
+    dump_dir: str | None = None
+    """Directory for graph dumps: per rank, frame and stage, the readable graph
+    before and after every pass plus a ``summary.json``; read them with
+    ``graphcomp inspect DIR``. Defaults to ``$GRAPHCOMP_DUMP_DIR``; ``None`` writes
+    nothing. Graphs also go to torch's structured trace (``TORCH_TRACE``) either way."""
+
+    debug: bool = False
+    """Extra checks and logging: lint every graph after every pass (a pass that
+    breaks the graph fails at once, naming the pass) and log the op-count diff of
+    each pass at INFO. Defaults to ``$GRAPHCOMP_DEBUG``."""
+
+    # ------------------------------------------------------------------ helpers
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | "Config" | None) -> "Config":
+        """Build a validated Config from ``torch.compile``'s ``options`` mapping
+        (or pass a Config through). Env defaults apply to fields not given."""
+        if isinstance(options, Config):
+            cfg = dataclasses.replace(options)
+        else:
+            options = dict(options or {})
+            names = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(options) - names)
+            if unknown:
+                raise ValueError(
+                    f"unknown graphcomp option(s) {unknown}; valid options: {sorted(names)}"
+                )
+            kwargs = dict(options)
+            if "dump_dir" not in kwargs and env.dump_dir() is not None:
+                kwargs["dump_dir"] = env.dump_dir()
+            if "debug" not in kwargs and env.debug():
+                kwargs["debug"] = True
+            cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Check every field's type and value; raise ValueError naming the field."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+        from .pipeline import registered_passes
+
+        valid = registered_passes()
+        unknown = sorted(set(self.passes) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"Config.passes: unknown pass name(s) {unknown}; valid passes: {sorted(valid)}"
+            )
+
+    def pass_enabled(self, name: str) -> bool:
+        from .pipeline import get_pass
+
+        return self.passes.get(name, get_pass(name).default)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v if isinstance(v, (bool, int, float, str, dict, list, type(None))) else repr(v)
+        return out
+
+
+def field_docs() -> dict[str, str]:
+    """Field name -> docstring (the string literal under the field), for the
+    README table and ``graphcomp inspect``."""
+    import ast
+    import inspect
+
+    src = inspect.getsource(Config)
+    tree = ast.parse(src)
+    cls = tree.body[0]
+    docs: dict[str, str] = {}
+    body = cls.body  # type: ignore[attr-defined]
+    for i, node in enumerate(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and i + 1 < len(body):
+            nxt = body[i + 1]
+            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check_type(name: str, value: Any, tp: Any) -> None:
+    """Minimal runtime type check for the annotation forms Config uses."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"Config.{name}: invalid value {value!r}; valid values: {list(args)}")
+        return
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        errors = []
+        for a in args:
+            try:
+                _check_type(name, value, a)
+                return
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(
+            f"Config.{name}: {value!r} does not match {' | '.join(_type_name(a) for a in args)}"
+        )
+    if tp is type(None):
+        if value is not None:
+            raise ValueError(f"Config.{name}: expected None, got {value!r}")
+        return
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"Config.{name}: expected a mapping, got {type(value).__name__} {value!r}")
+        kt, vt = args
+        for k, v in value.items():
+            _check_type(f"{name}[{k!r}] key", k, kt)
+            _check_type(f"{name}[{k!r}]", v, vt)
+        return
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"Config.{name}: expected bool, got {type(value).__name__} {value!r}")
+        return
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"Config.{name}: expected int, got {type(value).__name__} {value!r}")
+        return
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"Config.{name}: expected a number, got {type(value).__name__} {value!r}")
+        return
+    if isinstance(tp, type):
+        if not isinstance(value, tp):
+            raise ValueError(f"Config.{name}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return
+    raise TypeError(f"Config.{name}: unsupported annotation {tp!r} (graphcomp bug)")

@@ -1,0 +1,127 @@
+"""``graphcomp inspect DIR``: readable tables over a dump directory.
+
+    graphcomp inspect DIR                       # frames, stages, passes, collectives
+    graphcomp inspect DIR --rank 1              # another rank (default 0)
+    graphcomp inspect DIR --frame 0 --stage joint --pass fuse_allgather_downcast --diff
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .dump import load_summaries
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(b) < 1024 or unit == "GiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return f"{b:.1f} GiB"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _short(s: Any, n: int = 70) -> str:
+    s = "" if s is None else str(s)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def format_frame(frame: dict[str, Any]) -> str:
+    """One frame: a pass table per stage, then a collective table."""
+    cs = frame.get("compile_seconds")
+    head = (
+        f"frame {frame['frame']}  compile_id={frame.get('compile_id')}  codegen={frame.get('codegen')}"
+        f"  world={frame.get('world_size')}  recompile={frame.get('recompile')}"
+        + (f"  compile={cs:.1f}s" if isinstance(cs, (int, float)) else "")
+    )
+    out = [head]
+    rows = []
+    for stage, st in frame.get("stages", {}).items():
+        passes = st.get("passes", [])
+        rows.append([stage, "(input)", "", "", f"{st['nodes_in']}", "", ""])
+        for p in passes:
+            what = ", ".join(f"{k}={v:g}" for k, v in sorted(p.get("counts", {}).items()))
+            if p.get("reason"):
+                what = (what + "; " if what else "") + p["reason"]
+            rows.append(
+                [
+                    "",
+                    p["name"],
+                    "on" if p["enabled"] else "off",
+                    "yes" if p["changed"] else "no",
+                    f"{p['nodes_before']}->{p['nodes_after']}" if p["enabled"] else "",
+                    f"{p['seconds'] * 1e3:.1f}" if p["enabled"] else "",
+                    _short(what),
+                ]
+            )
+        rows.append(["", "(output)", "", "", f"{st['nodes_out']}", "", ""])
+    out.append(_table(rows, ["stage", "pass", "enabled", "changed", "nodes", "ms", "what / why"]))
+    crow = []
+    for stage, st in frame.get("stages", {}).items():
+        agg: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0])
+        buckets: dict[tuple[str, str], set] = defaultdict(set)
+        for c in st.get("collectives", []):
+            k = (c["kind"], c["dtype"])
+            agg[k][0] += 1
+            agg[k][1] += max(c["bytes"], 0)
+            if c.get("bucket") is not None:
+                buckets[k].add(c["bucket"])
+        for (kind, dtype), (n, b, _) in sorted(agg.items()):
+            crow.append([stage, kind, dtype, str(n), _fmt_bytes(b), str(len(buckets[(kind, dtype)]) or "-")])
+    if crow:
+        out.append("")
+        out.append(_table(crow, ["stage", "collective", "dtype", "count", "bytes", "buckets"]))
+    else:
+        out.append("(no collectives)")
+    parts = [(stage, p) for stage, st in frame.get("stages", {}).items() for p in st.get("partitions", [])]
+    if parts:
+        out.append("")
+        prow = [[s, str(p.get("piece")), p.get("mode", ""), str(p.get("nodes", "")), _short(p.get("reason"), 60)] for s, p in parts]
+        out.append(_table(prow, ["stage", "piece", "mode", "nodes", "reason"]))
+    return "\n".join(out)
+
+
+def format_summary(summary: dict[str, Any], frame: int | None = None) -> str:
+    frames = [f for f in summary["frames"] if frame is None or f["frame"] == frame]
+    if frame is not None and not frames:
+        valid = [f["frame"] for f in summary["frames"]]
+        raise ValueError(f"no frame {frame} in rank {summary['rank']}'s summary; valid frames: {valid}")
+    return f"rank {summary['rank']}: {len(summary['frames'])} frame(s)\n\n" + "\n\n".join(format_frame(f) for f in frames)
+
+
+def pass_diff(root: str | Path, rank: int, frame: int, stage: str, pass_name: str) -> str:
+    """Unified diff of one pass's before/after graph text."""
+    d = Path(root) / f"rank{rank}" / f"frame{frame:03d}" / stage
+    if not d.is_dir():
+        stages = sorted(p.name for p in d.parent.glob("*") if p.is_dir()) if d.parent.is_dir() else []
+        raise ValueError(f"no dumps for rank {rank} frame {frame} stage {stage!r} under {str(root)!r}; stages there: {stages}")
+    befores = sorted(d.glob(f"*-{pass_name}.before.txt"))
+    if not befores:
+        have = sorted({p.name.split("-", 1)[1].rsplit(".", 2)[0] for p in d.glob("*-*.before.txt")})
+        raise ValueError(f"pass {pass_name!r} did not run in frame {frame} stage {stage!r}; passes that ran: {have}")
+    before = befores[0]
+    after = before.with_name(before.name.replace(".before.txt", ".after.txt"))
+    a, b = before.read_text().splitlines(keepends=True), after.read_text().splitlines(keepends=True)
+    diff = "".join(difflib.unified_diff(a, b, fromfile=str(before), tofile=str(after)))
+    return diff or f"(pass {pass_name!r} left the {stage} graph of frame {frame} unchanged)\n"
+
+
+def inspect_dir(root: str | Path, *, rank: int = 0, frame: int | None = None, stage: str | None = None,
+                pass_name: str | None = None, diff: bool = False) -> str:
+    summaries = load_summaries(root)
+    if rank not in summaries:
+        raise ValueError(f"no summary for rank {rank} under {str(root)!r}; ranks: {sorted(summaries)}")
+    if diff:
+        missing = [n for n, v in (("--frame", frame), ("--stage", stage), ("--pass", pass_name)) if v is None]
+        if missing:
+            raise ValueError(f"--diff needs {', '.join(missing)}")
+        return pass_diff(root, rank, frame, stage, pass_name)  # type: ignore[arg-type]
+    return format_summary(summaries[rank], frame)

@@ -1,0 +1,1 @@
+"""graphcomp runtime: CUDA-graph runners, memory pool and teardown."""

@@ -1,0 +1,39 @@
+"""The one owned runtime object: process-wide counters and ids, with ``reset()``.
+
+``graphcomp.counters`` is ``STATE.counters``: a ``collections.Counter`` keyed by
+name (``frames_compiled``, ``recompiles``, ``passes_run``, ``passes_changed``,
+``pass:<name>:changed``, ``gathers_fused``, ``bytes_gathered:<dtype>``, ...).
+Missing keys read as 0. ``graphcomp.reset()`` clears everything here.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any
+
+
+class Counters(collections.Counter):
+    """A Counter with ``reset()``; tests assert on it."""
+
+    def reset(self) -> None:
+        self.clear()
+
+
+class _State:
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self._frame_ids = itertools.count()
+        # rank -> list of frame summaries, written to summary.json by graphcomp.dump
+        self.frames: list[dict[str, Any]] = []
+
+    def next_frame_id(self) -> int:
+        return next(self._frame_ids)
+
+    def reset(self) -> None:
+        self.counters.reset()
+        self._frame_ids = itertools.count()
+        self.frames.clear()
+
+
+STATE = _State()
