@@ -39,6 +39,13 @@ class Config:
     ``graphcomp inspect DIR``. Defaults to ``$GRAPHCOMP_DUMP_DIR``; ``None`` writes
     nothing. Graphs also go to torch's structured trace (``TORCH_TRACE``) either way."""
 
+    bucket_bytes: int = 64 * 2**20
+    """Largest bucket for ``bucket_collectives``, in bytes on the wire (gathered
+    output bytes for all-gathers, input bytes for reduce-scatters). Consecutive
+    collectives are packed until the next one would pass this. Larger buckets mean
+    fewer, more efficient collectives but more memory held by gathered parameters
+    early (a bucket is gathered at its first use). Must be >= 0; 0 disables bucketing."""
+
     debug: bool = False
     """Extra checks and logging: lint every graph after every pass (a pass that
     breaks the graph fails at once, naming the pass) and log the op-count diff of
@@ -73,6 +80,8 @@ class Config:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
+        if self.bucket_bytes < 0:
+            raise ValueError(f"Config.bucket_bytes: must be >= 0, got {self.bucket_bytes}")
         from .pipeline import registered_passes
 
         valid = registered_passes()

@@ -114,3 +114,187 @@ def collective_bytes_by_dtype(colls: list[dict[str, Any]], kind: str | None = No
         if kind is None or c["kind"] == kind:
             acc[c["dtype"]] += c["bytes"]
     return dict(acc)
+
+
+# ------------------------------------------------------------- pattern helpers
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+# ops that only reinterpret a gathered tensor (no data movement, dtype-agnostic)
+VIEW_OPS = {
+    aten.slice.Tensor,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.alias.default,
+    aten.squeeze.dim,
+    aten.unsqueeze.default,
+}
+
+
+def is_target(node: fx.Node, *targets: Any) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def dtype_cast(node: fx.Node) -> torch.dtype | None:
+    """The target dtype if ``node`` is a pure dtype conversion (same device,
+    strided layout, default memory format), else None."""
+    if is_target(node, torch.ops.prims.convert_element_type.default):
+        return node.args[1]  # type: ignore[return-value]
+    if is_target(node, aten._to_copy.default):
+        kw = dict(node.kwargs)
+        dtype = kw.pop("dtype", None)
+        if dtype is None or len(node.args) != 1:
+            return None
+        src, dst = tensor_meta(node.args[0]), tensor_meta(node)
+        dev = kw.pop("device", None)
+        if dev is not None and src is not None and torch.device(dev) != src.device:
+            return None
+        if kw.pop("layout", torch.strided) != torch.strided:
+            return None
+        if kw.pop("memory_format", None) not in (None, torch.preserve_format, torch.contiguous_format):
+            return None
+        kw.pop("pin_memory", None)
+        if kw or (dst is not None and not dst.is_contiguous() and src is not None and src.is_contiguous()):
+            return None
+        return dtype
+    return None
+
+
+def view_chain(start: fx.Node) -> list[fx.Node]:
+    """Follow single-user VIEW_OPS from ``start``; returns [start, v1, ..., vk]."""
+    chain = [start]
+    node = start
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not is_target(user, *VIEW_OPS) or user.args[0] is not node:
+            break
+        chain.append(user)
+        node = user
+    return chain
+
+
+def with_dtype(val: Any, dtype: torch.dtype) -> Any:
+    """A (fake) tensor like ``val`` with another dtype; None passes through."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device=val.device) if not _is_fake(val) else _fake_like(val, dtype)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _fake_like(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    with val.fake_mode:  # type: ignore[attr-defined]
+        return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device=val.device)
+
+
+def set_val(node: fx.Node, val: Any) -> None:
+    node.meta["val"] = val
+    if isinstance(val, torch.Tensor):
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    else:
+        node.meta.pop("tensor_meta", None)
+
+
+def retype(node: fx.Node, dtype: torch.dtype) -> None:
+    """Change the recorded dtype of ``node``'s value (after a rewrite)."""
+    if "val" in node.meta:
+        set_val(node, with_dtype(node.meta["val"], dtype))
+
+
+def gathers(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if is_target(n, c10d.all_gather_into_tensor.default)]
+
+
+def single_wait(node: fx.Node) -> fx.Node | None:
+    """The one ``wait_tensor`` user of a collective, or None."""
+    users = list(node.users)
+    if len(users) == 1 and is_target(users[0], c10d.wait_tensor.default):
+        return users[0]
+    return None
+
+
+def fake_mode_of(gm: fx.GraphModule) -> Any:
+    """The fake mode behind the graph's ``meta['val']`` tensors, or None."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        for t in _vals(v):
+            if isinstance(t, FakeTensor):
+                return t.fake_mode
+    return None
+
+
+def fake_eval(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Set ``node.meta['val']`` by running its target on its inputs' fake values
+    (no-op for graphs built without fake values, e.g. by hand in tests)."""
+    mode = fake_mode_of(gm)
+    if mode is None:
+        return
+    missing = False
+
+    def val(a: Any) -> Any:
+        nonlocal missing
+        if isinstance(a, fx.Node):
+            if "val" not in a.meta:
+                missing = True
+            return a.meta.get("val")
+        return a
+
+    args = fx.node.map_aggregate(node.args, val)
+    kwargs = fx.node.map_aggregate(node.kwargs, val)
+    if missing:
+        return
+    with mode:
+        set_val(node, node.target(*args, **kwargs))  # type: ignore[operator]
+
+
+def stable_topo_sort(gm: fx.GraphModule, hoist: set[fx.Node] | None = None) -> None:
+    """Reorder ``gm.graph`` so every node follows its inputs, moving as little as
+    possible: a node keeps its place unless an input is not yet defined. Nodes in
+    ``hoist`` pull their not-yet-placed ancestors up to just before themselves
+    (used to place a new bucket at its first use rather than its last input)."""
+    nodes = list(gm.graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    prio = dict(idx)
+    if hoist:
+        for h in sorted(hoist, key=lambda n: -idx[n]):
+            stack = list(h.all_input_nodes)
+            while stack:
+                a = stack.pop()
+                if prio[a] > prio[h]:
+                    prio[a] = prio[h]
+                    stack.extend(a.all_input_nodes)
+    import heapq
+
+    indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(prio[n], idx[n], n) for n in nodes if indeg[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (prio[u], idx[u], u))
+    if len(order) != len(nodes):
+        raise RuntimeError("graph has a cycle (graphcomp bug)")
+    out = next(n for n in nodes if n.op == "output")
+    if order[-1] is not out:  # keep the output last
+        order.remove(out)
+        order.append(out)
+    prev = order[0]
+    if prev is not nodes[0]:
+        nodes[0].prepend(prev)
+    for n in order[1:]:
+        if prev.next is not n:
+            prev.append(n)
+        prev = n
