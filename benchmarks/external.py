@@ -1,0 +1,237 @@
+"""Systems from other packages: graphcomp (and its per-pass ablation), DeepSpeed ZeRO-3
+and DeepCompile. Written defensively: a package or API that is missing makes the
+system "not run" with the reason, never a crash of the whole benchmark.
+
+graphcomp contract (DESIGN.md)::
+
+    graphcomp.shard(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = torch.compile(model, backend="graphcomp", options={...})
+    opt = AdamW(model.parameters())          # built after shard()
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import workloads
+from .systems import ADAMW, BF16, CLIP, Built, Ctx, NotRun, _common_config, make_optimizer, standard_step
+
+log = logging.getLogger(__name__)
+
+ABLATION_PREFIX = "graphcomp-no_"
+
+
+# --------------------------------------------------------------------------- graphcomp
+def _import_graphcomp():
+    try:
+        import graphcomp
+    except Exception as e:  # noqa: BLE001 - any failure to import is a reason not to run
+        raise NotRun(f"graphcomp not importable: {type(e).__name__}: {e}") from None
+    if not callable(getattr(graphcomp, "shard", None)):
+        raise NotRun("graphcomp.shard() does not exist yet (graphcomp/__init__.py exports no shard)")
+    return graphcomp
+
+
+def graphcomp_passes() -> tuple[dict[str, bool] | None, str | None]:
+    """``({pass_name: enabled_by_default}, None)`` from ``graphcomp.pipeline``, or
+    ``(None, reason)`` when that API is not there yet."""
+    try:
+        from graphcomp.pipeline import registered_passes
+    except Exception as e:  # noqa: BLE001
+        return None, f"graphcomp.pipeline.registered_passes unavailable: {type(e).__name__}: {e}"
+    try:
+        reg = registered_passes()
+    except Exception as e:  # noqa: BLE001
+        return None, f"graphcomp.pipeline.registered_passes() raised {type(e).__name__}: {e}"
+    try:
+        from graphcomp.pipeline import get_pass
+    except Exception:  # noqa: BLE001
+        get_pass = None
+    items = reg.items() if isinstance(reg, dict) else [(getattr(x, "name", x), x) for x in reg]
+    out: dict[str, bool] = {}
+    for name, spec in items:
+        name = str(name)
+        default = getattr(spec, "default", None)
+        if default is None and get_pass is not None:
+            try:
+                default = getattr(get_pass(name), "default", True)
+            except Exception:  # noqa: BLE001
+                default = True
+        out[name] = bool(True if default is None else default)
+    return out, None
+
+
+def ablation_systems() -> tuple[list[str], str | None]:
+    """``graphcomp-no_<pass>`` for every pass on by default (switching off a pass that
+    is already off measures nothing)."""
+    passes, reason = graphcomp_passes()
+    if passes is None:
+        return [], reason
+    return [ABLATION_PREFIX + p for p, on in passes.items() if on], None
+
+
+def _resolve_backend(graphcomp) -> tuple[object, str]:
+    try:
+        from torch._dynamo import list_backends
+
+        if "graphcomp" in list_backends(exclude_tags=()):
+            return "graphcomp", 'backend="graphcomp" (entry point)'
+    except Exception as e:  # noqa: BLE001
+        log.warning("torch._dynamo.list_backends failed: %s", e)
+    try:
+        from graphcomp.backend import graphcomp_backend
+    except Exception as e:  # noqa: BLE001
+        raise NotRun(f'backend "graphcomp" not registered (is graphcomp pip-installed?) and '
+                     f"graphcomp.backend.graphcomp_backend not importable: {type(e).__name__}: {e}") from None
+    return graphcomp_backend, "backend=graphcomp.backend.graphcomp_backend (entry point not installed: pip install -e .)"
+
+
+def _counters(graphcomp) -> dict:
+    c = getattr(graphcomp, "counters", None)
+    if c is None:
+        return {}
+    for attr in ("as_dict", "to_dict", "snapshot"):
+        fn = getattr(c, attr, None)
+        if callable(fn):
+            try:
+                return dict(fn())
+            except Exception:  # noqa: BLE001
+                pass
+    try:
+        return {str(k): (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))
+                for k, v in dict(c).items()}
+    except Exception:  # noqa: BLE001
+        return {"repr": repr(c)}
+
+
+def build_graphcomp(ctx: Ctx, disable: str | None = None) -> Built:
+    graphcomp = _import_graphcomp()
+    options: dict = {}
+    if disable is not None:
+        passes, reason = graphcomp_passes()
+        if passes is None:
+            raise NotRun(reason)
+        if disable not in passes:
+            raise NotRun(f"unknown graphcomp pass {disable!r}; registered: {sorted(passes)}")
+        if not passes[disable]:
+            raise NotRun(f"pass {disable!r} is off by default: nothing to ablate")
+        options["passes"] = {disable: False}
+    backend, backend_desc = _resolve_backend(graphcomp)
+    model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
+    try:
+        graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32)
+    except (AttributeError, ImportError) as e:
+        raise NotRun(f"graphcomp.shard() not usable yet: {type(e).__name__}: {e}") from None
+    compiled = torch.compile(model, backend=backend, options=options)
+    opt, ocfg = make_optimizer(model.parameters(), ctx.device)
+    cfg = {
+        **_common_config(ctx), **ocfg,
+        "wrapping": "graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32), then torch.compile",
+        "mixed_precision": "param_dtype=bf16 (gathered weights bf16), reduce_dtype=fp32; no autocast",
+        "compute": "bf16 params/activations; RMSNorm, RoPE and loss upcast to fp32 inside the model",
+        "master_weights": "fp32 shards (optimizer built on model.parameters() after shard)",
+        "compile": f"torch.compile(model, {backend_desc}, options={options})",
+        "graphcomp_version": getattr(graphcomp, "__version__", None),
+    }
+
+    def teardown() -> None:
+        reset = getattr(graphcomp, "reset", None)
+        if callable(reset):
+            reset()
+
+    return Built(step=standard_step(compiled, opt, ctx.device, autocast=False), config=cfg, compiles=True,
+                 keep=[compiled, model, opt], teardown=teardown, stats=lambda: {"counters": _counters(graphcomp)})
+
+
+def make_ablation_builder(pass_name: str):
+    def build(ctx: Ctx) -> Built:
+        return build_graphcomp(ctx, disable=pass_name)
+
+    return build
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+def deepspeed_config(ctx: Ctx, deepcompile: bool) -> dict:
+    """The exact DeepSpeed config (also printed in benchmarks/README.md). ZeRO-3 values
+    are DeepSpeed's documented defaults, spelled out; overlap_comm on."""
+    return {
+        "train_micro_batch_size_per_gpu": ctx.workload.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": True},
+        "communication_data_type": "fp32",
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "eps": ADAMW["eps"],
+            "weight_decay": ADAMW["weight_decay"], "torch_adam": True, "fused": True}},
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 500_000_000,
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_param_persistence_threshold": 100_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
+            "sub_group_size": 1_000_000_000,
+        },
+        "compile": {"deepcompile": deepcompile},
+    }
+
+
+def build_deepspeed(ctx: Ctx, deepcompile: bool = False) -> Built:
+    if ctx.device.type != "cuda":
+        raise NotRun("DeepSpeed ZeRO-3 needs CUDA + NCCL; this run is on CPU/gloo")
+    try:
+        import deepspeed
+    except Exception as e:  # noqa: BLE001
+        raise NotRun(f"deepspeed not importable ({type(e).__name__}: {e}); "
+                     f"see benchmarks/install_offline.sh") from None
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
+    ds_cfg = deepspeed_config(ctx, deepcompile)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_cfg, dist_init_required=False)
+    if deepcompile:
+        engine.compile()  # DeepCompile, default schedule (passes chosen by DeepSpeed)
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()  # clipping (gradient_clipping), optimizer step and zero_grad
+        return loss.detach()
+
+    def teardown() -> None:
+        destroy = getattr(engine, "destroy", None)
+        if callable(destroy):
+            destroy()
+
+    cfg = {
+        **_common_config(ctx),
+        "deepspeed_version": deepspeed.__version__,
+        "deepspeed_config": ds_cfg,
+        "grad_clip": f"DeepSpeed gradient_clipping={CLIP}",
+        "mixed_precision": "bf16.enabled (bf16 partitioned params, fp32 master partitions), "
+                           "communication_data_type=fp32",
+        "compile": "engine.compile() with compile.deepcompile=true, default schedule" if deepcompile else None,
+        "optimizer": "torch.optim.AdamW(fused) via DeepSpeed optimizer config torch_adam=true",
+    }
+    return Built(step=step, config=cfg, compiles=deepcompile, keep=[engine, model], teardown=teardown)
+
+
+def build_deepspeed_z3(ctx: Ctx) -> Built:
+    return build_deepspeed(ctx, deepcompile=False)
+
+
+def build_deepcompile(ctx: Ctx) -> Built:
+    return build_deepspeed(ctx, deepcompile=True)
+
+
+EXTERNAL_BUILDERS = {
+    "graphcomp": build_graphcomp,
+    "deepspeed_z3": build_deepspeed_z3,
+    "deepcompile": build_deepcompile,
+}

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# One GPU session of benchmarks inside a time budget; results under $OUT.
+#
+#   bash benchmarks/gpu_session.sh                 # runs W1:2 W2:4 W1:1 W2:2, most important first
+#   bash benchmarks/gpu_session.sh W1:1 W1:2       # RUN = WORKLOAD:NGPU, in the order given
+#
+# Every run is `torchrun --nproc-per-node NGPU -m benchmarks.run` inside `timeout`, with
+# the time left of BUDGET_S; a run that no longer fits is skipped (said so), and a run
+# cut short keeps the systems it finished (the JSON is rewritten after each system).
+#
+# env:
+#   OUT               where results land (the device tool sets it; default: benchmarks/results)
+#   BUDGET_S          seconds for the whole call (default 540, under the tool's 600 s per command)
+#   WARMUP, STEPS     warmup and measured steps (default 10 and 20)
+#   SYSTEMS           systems for every run (default: per run, below)
+#   ABLATION=1        add the graphcomp per-pass ablation to W1 runs on 2 GPUs
+#   PROFILE=0         no profiler idle share (default: 3 extra profiled steps per system)
+#   BENCH_GIT_COMMIT  the commit to record (the GPU machine's copy has no .git)
+#   BENCH_NGPU        pretend this many GPUs (dry run on a CPU machine: smoke:2 runs on gloo)
+#
+# With $OUT set: raw results go to /tmp/bench_results and $OUT gets three files, kept
+# current after every run: bench_results.tgz (every .json/.md/.png), summary.md (all
+# tables) and session.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-540}
+WARMUP=${WARMUP:-10}
+STEPS=${STEPS:-20}
+PROFILE=${PROFILE:-1}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+if [ -n "${OUT:-}" ]; then RES=${BENCH_RES:-/tmp/bench_results}; else OUT=benchmarks/results; RES=$OUT; fi
+mkdir -p "$OUT" "$RES"
+OUT=$(cd "$OUT" && pwd); RES=$(cd "$RES" && pwd)
+LOG="$OUT/session.log"
+
+say() { echo "[session +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+
+# Rough seconds per system on H200 (compile dominates; guesses until a first session
+# measures them: each run prints "system=X done in N s", use those to update this table)
+est() {
+  case "$1:$2" in
+    W1:fsdp2) echo 15 ;;        W2:fsdp2) echo 25 ;;
+    W1:fsdp2_compile) echo 45 ;; W2:fsdp2_compile) echo 60 ;;
+    W1:ddp) echo 10 ;;          W2:ddp) echo 20 ;;
+    W1:ddp_compile) echo 60 ;;  W2:ddp_compile) echo 80 ;;
+    W1:inductor) echo 60 ;;     W2:inductor) echo 80 ;;
+    W1:graphcomp*) echo 90 ;;   W2:graphcomp*) echo 120 ;;
+    W1:deepspeed_z3) echo 30 ;; W2:deepspeed_z3) echo 45 ;;
+    W1:deepcompile) echo 150 ;; W2:deepcompile) echo 180 ;;  # + ~60 s JIT build of its op, first time
+    *) echo 60 ;;
+  esac
+}
+
+default_systems() {
+  case "$1:$2" in
+    W1:1) echo "graphcomp,inductor" ;;
+    W1:2) echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,deepspeed_z3,deepcompile" ;;
+    W2:2) echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile" ;;
+    *)    echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,deepspeed_z3,deepcompile" ;;
+  esac
+}
+
+pack() {
+  [ "$RES" = "$OUT" ] && return 0
+  ( cd "$RES" && tar czf "$OUT/bench_results.tgz.tmp" . ) 2>/dev/null \
+    && mv "$OUT/bench_results.tgz.tmp" "$OUT/bench_results.tgz"
+  cat "$RES"/*.md > "$OUT/summary.md" 2>/dev/null || true
+}
+
+# ---------------------------------------------------------------- environment
+NGPU=${BENCH_NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)}
+say "GPUs: $NGPU; budget ${BUDGET_S}s; warmup $WARMUP + $STEPS measured steps; results -> $RES"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | head -8 | tee -a "$LOG"
+if [ -d .whl ]; then
+  if bash benchmarks/install_offline.sh >>"$LOG" 2>&1; then
+    export PYTHONPATH="${BENCH_SITE:-/tmp/site}${PYTHONPATH:+:$PYTHONPATH}"
+    say "DeepSpeed installed offline from .whl ($(python3 -c 'import deepspeed; print(deepspeed.__version__)' 2>/dev/null))"
+  else
+    say "DeepSpeed offline install FAILED (see session.log); deepspeed systems will report 'not run'"
+  fi
+else
+  say "no .whl/ carried: deepspeed systems will report 'not run' (see benchmarks/README.md)"
+fi
+
+RUNS=("$@")
+[ ${#RUNS[@]} -eq 0 ] && RUNS=(W1:2 W2:4 W1:1 W2:2)
+
+# ---------------------------------------------------------------- runs
+for run in "${RUNS[@]}"; do
+  W=${run%%:*}; N=${run##*:}
+  if [ "$N" -gt "$NGPU" ]; then say "SKIP $run: needs $N GPUs, this machine has $NGPU"; continue; fi
+  S=${SYSTEMS:-$(default_systems "$W" "$N")}
+  if [ "${ABLATION:-0}" = "1" ] && [ "$W:$N" = "W1:2" ]; then S="$S,graphcomp-ablation"; fi
+  total=25
+  say "run $run systems=$S; estimated seconds per system:"
+  for s in ${S//,/ }; do e=$(est "$W" "$s"); total=$(( total + e )); say "    $s ~${e}s"; done
+  L=$(left)
+  say "    estimated total ~${total}s (25 s start-up); time left ${L}s"
+  if [ "$L" -lt 60 ]; then say "SKIP $run: under 60 s left"; continue; fi
+  [ "$total" -gt "$L" ] && say "    WARNING: may not fit; systems finished before the timeout are kept"
+  devs=$(seq -s, 0 $(( N - 1 )))
+  extra=()
+  [ "$PROFILE" = "1" ] && extra+=(--profile --profile-steps 3)
+  CUDA_VISIBLE_DEVICES=$devs timeout -k 20 $(( L - 10 )) \
+    python3 -m torch.distributed.run --standalone --nproc-per-node "$N" -m benchmarks.run \
+      --workload "$W" --warmup "$WARMUP" --steps "$STEPS" --systems "$S" --out-dir "$RES" \
+      --log-every 10 --tag "w${WARMUP}s${STEPS}" "${extra[@]}" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && say "run $run hit the time limit (rc $rc): partial results kept"
+  say "run $run finished rc=$rc"
+  pack
+done
+pack
+say "done; $(ls "$RES" | wc -l) files in $RES$([ "$RES" != "$OUT" ] && echo ", packed into $OUT/bench_results.tgz")"

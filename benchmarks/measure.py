@@ -1,0 +1,257 @@
+"""Measurements: step timing, memory, bf16 matmul rate, profiler idle share, environment.
+
+Step times on CUDA come from CUDA events recorded between steps (no host sync per
+step, so a system's host overhead shows exactly as much as it stalls the GPU); on
+CPU from ``time.perf_counter`` (CPU work is synchronous anyway).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import logging
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+PEAK_BF16_FLOPS = 989e12
+"""H100/H200 SXM dense bf16 peak (BENCHMARKS.md): the MFU denominator."""
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """``mark()`` before the first measured step and after every step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def times_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+# --------------------------------------------------------------------------- memory
+def reset_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float | None, float | None]:
+    if device.type != "cuda":
+        return None, None
+    g = 1024**3
+    return torch.cuda.max_memory_allocated(device) / g, torch.cuda.max_memory_reserved(device) / g
+
+
+def free_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- collectives
+def allreduce_floats(vals: list[float | None], op: str, device: torch.device) -> list[float | None]:
+    """Element-wise max/min/mean across ranks; ``None`` stays ``None`` (every rank
+    must pass ``None`` at the same positions, which holds for device-type facts)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return vals
+    t = torch.tensor([0.0 if v is None else float(v) for v in vals], dtype=torch.float64, device=device)
+    rop = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}[op]
+    dist.all_reduce(t, op=rop)
+    if op == "mean":
+        t /= dist.get_world_size()
+    return [None if v is None else float(x) for v, x in zip(vals, t.tolist())]
+
+
+# --------------------------------------------------------------------------- matmul rate
+def bf16_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float | None:
+    """Measured dense bf16 matmul rate (TFLOP/s) of this GPU: the MFU reference
+    that the same run actually achieves. ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.mm(a, b, out=c)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        torch.mm(a, b, out=c)
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end)
+    del a, b, c
+    torch.cuda.empty_cache()
+    return 2 * n**3 * iters / (ms / 1e3) / 1e12
+
+
+# --------------------------------------------------------------------------- profiler
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def _device_intervals(prof, device_type) -> list[tuple[float, float, str]]:
+    """(start_us, end_us, name) of every event on ``device_type``. Reads the raw Kineto
+    events (cheap) rather than ``prof.events()``, which builds a full event tree."""
+    try:
+        out = []
+        for e in prof.profiler.kineto_results.events():
+            if e.device_type() == device_type:
+                s = e.start_ns() / 1e3
+                out.append((s, s + e.duration_ns() / 1e3, e.name()))
+        return out
+    except AttributeError:  # older/newer private API: fall back to the public one
+        return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == device_type]
+
+
+def gpu_idle_share(run_steps: Callable[[int], None], n_steps: int, device: torch.device) -> dict:
+    """Profile ``n_steps`` extra steps (outside the timed window; GPU activity only, to
+    keep the profiler's own overhead low) and return the share of the span from the
+    first to the last GPU event with no GPU activity at all (``idle``) and with no
+    non-NCCL kernel running (``compute_idle``). ``None`` values off CUDA."""
+    out = {"idle": None, "compute_idle": None, "profiled_steps": n_steps, "gpu_events": 0, "error": None}
+    if device.type != "cuda":
+        out["error"] = "no CUDA device"
+        return out
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_steps(n_steps)
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ev = _device_intervals(prof, DeviceType.CUDA)
+    out["gpu_events"] = len(ev)
+    if not ev:
+        out["error"] = "profiler saw no GPU events"
+        return out
+    span = max(e for _, e, _ in ev) - min(s for s, _, _ in ev)
+    if span <= 0:
+        out["error"] = "empty GPU span"
+        return out
+    out["idle"] = 1.0 - _union_length([(s, e) for s, e, _ in ev]) / span
+    out["compute_idle"] = 1.0 - _union_length([(s, e) for s, e, n in ev if "nccl" not in n.lower()]) / span
+    out["span_ms"] = span / 1e3
+    out["analysis_s"] = time.perf_counter() - t0
+    return out
+
+
+# --------------------------------------------------------------------------- dynamo stats
+def dynamo_stats() -> dict[str, int]:
+    """Cumulative Dynamo counters (diff two snapshots for one system)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001
+        return {}
+    return {
+        "graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
+
+
+# --------------------------------------------------------------------------- environment
+def _pkg_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(args: list[str], cwd: str) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.machine()} CPU ({os.cpu_count()} cores)"
+
+
+def environment(device: torch.device, world: int) -> dict:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = os.environ.get("BENCH_GIT_COMMIT") or _git(["rev-parse", "HEAD"], repo)
+    dirty = _git(["status", "--porcelain", "--untracked-files=no"], repo)
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
+        "git_dirty": None if dirty is None else bool(dirty),
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": None,
+        "device_type": device.type,
+        "device_name": _cpu_name(),
+        "device_count": 0,
+        "world_size": world,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "deepspeed": _pkg_version("deepspeed"),
+        "graphcomp": _pkg_version("graphcomp"),
+        "peak_bf16_tflops_assumed": PEAK_BF16_FLOPS / 1e12,
+        "matmul_bf16_tflops_measured": None,
+        "env_vars": {k: os.environ.get(k) for k in (
+            "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+            "NCCL_GRAPH_REGISTER", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS")},
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["device_count"] = torch.cuda.device_count()
+        try:
+            v = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as e:  # noqa: BLE001
+            log.warning("NCCL version unavailable: %s", e)
+    return env

@@ -1,0 +1,206 @@
+"""The torch-native systems: fsdp2, fsdp2_compile, ddp, ddp_compile, inductor.
+
+Each builder takes a :class:`Ctx` and returns a :class:`Built`: a ``step(tokens,
+targets) -> loss`` closure doing one full training step, and the exact configuration
+(written to the JSON). A builder that cannot run here raises :class:`NotRun` with the
+reason. Every system uses the same model (``workloads.build_model``, identical fp32
+weights on every rank), the same optimizer (:func:`make_optimizer`) and the same
+clipping (``torch.nn.utils.clip_grad_norm_(params, 1.0)``) unless its framework
+owns those (DeepSpeed, see ``external.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import workloads
+
+log = logging.getLogger(__name__)
+
+BF16 = torch.bfloat16
+ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+CLIP = 1.0
+
+
+class NotRun(Exception):
+    """The system cannot run in this environment; ``str(e)`` is the reason."""
+
+
+@dataclass
+class Ctx:
+    workload: workloads.Workload
+    device: torch.device
+    rank: int
+    world: int
+    seed: int
+
+
+@dataclass
+class Built:
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """one full training step (forward, backward, clip, optimizer, zero_grad); returns the detached loss"""
+    config: dict[str, Any]
+    """exact configuration of this system, as run"""
+    compiles: bool = False
+    """True when the first step compiles (progress line says so)"""
+    keep: list = field(default_factory=list)
+    """objects to drop at teardown (model, optimizer, engine)"""
+    teardown: Callable[[], None] | None = None
+    stats: Callable[[], dict] | None = None
+    """system-specific facts read after the run (e.g. graphcomp counters)"""
+
+
+# --------------------------------------------------------------------------- shared pieces
+def make_optimizer(params, device: torch.device) -> tuple[torch.optim.Optimizer, dict]:
+    """Fused AdamW where this torch supports it on ``device`` (CUDA always; CPU since
+    torch 2.4), else foreach. Returns the optimizer and its recorded configuration."""
+    params = list(params)
+    try:
+        opt = torch.optim.AdamW(params, fused=True, **ADAMW)
+        impl = "fused"
+    except (RuntimeError, TypeError) as e:
+        log.warning("fused AdamW unavailable on %s (%s); using foreach", device, e)
+        opt = torch.optim.AdamW(params, foreach=True, **ADAMW)
+        impl = "foreach"
+    return opt, {"optimizer": f"torch.optim.AdamW({impl})", **{k: list(v) if isinstance(v, tuple) else v
+                                                               for k, v in ADAMW.items()}}
+
+
+def standard_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
+                  autocast: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=BF16, enabled=autocast):
+            loss = model(tokens, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _common_config(ctx: Ctx) -> dict:
+    w = ctx.workload
+    return {"micro_batch_per_rank": w.batch, "seq_len": w.seq, "world_size": ctx.world,
+            "activation_checkpointing": ("torch.utils.checkpoint(use_reentrant=False) per block"
+                                         if w.activation_checkpointing else None),
+            "grad_clip": f"torch.nn.utils.clip_grad_norm_(params, {CLIP})",
+            "init": f"fp32, seed {ctx.seed}, generator on {ctx.device.type}, before any wrapping"}
+
+
+def _compile_blocks(model: nn.Module) -> int:
+    """torchtitan's recipe: ``torch.compile(block, fullgraph=True)`` per block,
+    re-registered under the same name, before ``fully_shard``."""
+    n = 0
+    for name, blk in list(model.layers.named_children()):
+        model.layers.register_module(name, torch.compile(blk, fullgraph=True))
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------- FSDP2
+def _fsdp2_api():
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # torch >= 2.6
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+def build_fsdp2(ctx: Ctx, compile_blocks: bool = False) -> Built:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard, MixedPrecisionPolicy = _fsdp2_api()
+    model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
+    n_compiled = _compile_blocks(model) if compile_blocks else 0
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    layers = list(model.layers)
+    for i, blk in enumerate(layers):
+        # torchtitan: the last block is needed again at once by backward, keep it gathered
+        fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt, ocfg = make_optimizer(model.parameters(), ctx.device)
+    cfg = {
+        **_common_config(ctx), **ocfg,
+        "wrapping": ("fully_shard(block, mesh=1-D mesh over all ranks, mp_policy, "
+                     "reshard_after_forward=True except the last block) for each block; fully_shard(root)"),
+        "mixed_precision": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); no autocast",
+        "compute": "bf16 params/activations; RMSNorm, RoPE and loss upcast to fp32 inside the model",
+        "master_weights": "fp32 DTensor shards (dim 0)",
+        "compile": (f"torch.compile(block, fullgraph=True) for {n_compiled} blocks, before fully_shard"
+                    if compile_blocks else None),
+    }
+    return Built(step=standard_step(model, opt, ctx.device, autocast=False), config=cfg,
+                 compiles=compile_blocks, keep=[model, opt])
+
+
+def build_fsdp2_compile(ctx: Ctx) -> Built:
+    return build_fsdp2(ctx, compile_blocks=True)
+
+
+# --------------------------------------------------------------------------- DDP / inductor
+def build_ddp(ctx: Ctx, compile_model: bool = False) -> Built:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    run = torch.compile(ddp) if compile_model else ddp
+    opt, ocfg = make_optimizer(ddp.parameters(), ctx.device)
+    cfg = {
+        **_common_config(ctx), **ocfg,
+        "wrapping": "DistributedDataParallel(model) defaults (bucket_cap_mb=25, gradient_as_bucket_view=False)",
+        "mixed_precision": f"torch.autocast({ctx.device.type}, bf16) around forward+loss",
+        "compute": "autocast: matmuls/SDPA in bf16, the rest as autocast decides",
+        "master_weights": "fp32, replicated; fp32 gradient all-reduce",
+        "compile": ("torch.compile(DDP(model)) defaults (DDPOptimizer splits graphs at bucket boundaries)"
+                    if compile_model else None),
+    }
+    return Built(step=standard_step(run, opt, ctx.device, autocast=True), config=cfg,
+                 compiles=compile_model, keep=[run, ddp, model, opt])
+
+
+def build_ddp_compile(ctx: Ctx) -> Built:
+    return build_ddp(ctx, compile_model=True)
+
+
+def build_inductor(ctx: Ctx) -> Built:
+    if ctx.world != 1:
+        raise NotRun(f"inductor is the unsharded single-process baseline (1-GPU target); "
+                     f"world size is {ctx.world}: run it with --nproc-per-node 1")
+    model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
+    compiled = torch.compile(model)
+    opt, ocfg = make_optimizer(model.parameters(), ctx.device)
+    cfg = {
+        **_common_config(ctx), **ocfg,
+        "wrapping": "none (single process, no sharding, no gradient communication)",
+        "mixed_precision": f"torch.autocast({ctx.device.type}, bf16) around forward+loss",
+        "compute": "autocast: matmuls/SDPA in bf16, the rest as autocast decides",
+        "master_weights": "fp32",
+        "compile": "torch.compile(model) defaults (Inductor, mode=None)",
+    }
+    return Built(step=standard_step(compiled, opt, ctx.device, autocast=True), config=cfg,
+                 compiles=True, keep=[compiled, model, opt])
+
+
+BUILDERS: dict[str, Callable[[Ctx], Built]] = {
+    "fsdp2": build_fsdp2,
+    "fsdp2_compile": build_fsdp2_compile,
+    "ddp": build_ddp,
+    "ddp_compile": build_ddp_compile,
+    "inductor": build_inductor,
+}
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

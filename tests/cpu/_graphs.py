@@ -1,0 +1,72 @@
+"""Hand-built aten graphs with functional collectives, for pass unit tests.
+
+Graphs are traced with ``make_fx(tracing_mode="fake")`` so every node carries a
+fake ``meta['val']`` like the graphs AOTAutograd hands the passes. The collective
+group is a name only: shapes come from the ``group_size`` argument, so a graph can
+model any world size without a process group. ``run_world1`` executes a graph on
+a real single-rank gloo group for semantics checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphcomp.config import Config
+from graphcomp.pipeline import PassContext, get_pass
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def trace(fn, *args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def gather(shard, world, group, rows=None, shape=None):
+    """shard -> all_gather -> wait -> slice(rows) -> view(shape): one parameter access."""
+    full = c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, group))
+    if rows is not None:
+        full = full[:rows]
+    if shape is not None:
+        full = full.view(shape)
+    return full
+
+
+def reduce_scatter(g, world, group):
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(g, "sum", world, group))
+
+
+def run_pass(name, gm, stage="joint", **options):
+    cfg = Config.from_options(options)
+    ctx = PassContext(config=cfg, frame_id=0, stage=stage)
+    from graphcomp.pipeline import PassRecord
+
+    ctx.record = PassRecord(name=name, stage=stage, enabled=True)
+    gm = get_pass(name).fn(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, ctx.record
+
+
+def counts(gm):
+    from graphcomp.graph_utils import op_counts
+
+    return op_counts(gm)
+
+
+@contextlib.contextmanager
+def world1_group():
+    """A real single-rank gloo process group in this process."""
+    if dist.is_initialized():
+        yield dist.group.WORLD.group_name
+        return
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
