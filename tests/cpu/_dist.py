@@ -1,0 +1,301 @@
+"""Run test functions on N CPU ranks (gloo), one process per rank.
+
+One-off (fresh processes for this call)::
+
+    from _dist import run_distributed
+
+    def _body(rank, world_size, tmp):            # module level: pickled by name
+        ...                                      # the default process group is up
+        return {"loss": 1.0}                     # anything torch.save can write
+
+    def test_something(tmp_path):
+        results = run_distributed(_body, 2, str(tmp_path))   # [rank0's, rank1's]
+
+Reusing the ranks across tests (starting N processes that import torch costs
+seconds each on a small CI machine)::
+
+    @pytest.fixture(scope="module")
+    def ranks2():
+        with DistPool(2, setup=_reset_between_tasks) as pool:
+            yield pool
+
+    def test_a(ranks2):
+        ranks2.run(_body, str(tmp_path))
+
+What it does for you:
+
+* spawns ``world_size`` fresh processes (``torch.multiprocessing``, start method
+  ``spawn``: no forked torch state), each with ``torch.set_num_threads(threads)``
+  so N ranks do not oversubscribe the machine;
+* rendezvous on a free TCP port of 127.0.0.1 (retried on a port clash), then
+  ``init_process_group("gloo")`` with a collective timeout, so a rank mismatch
+  fails instead of hanging forever;
+* returns every rank's return value, in rank order;
+* re-raises a failure as ``RankError`` carrying every failing rank's traceback;
+* kills the ranks and raises ``TimeoutError`` when a call exceeds ``timeout``
+  seconds (a deadlock in collectives, say);
+* after a failure or a timeout a pool's processes are killed (their state is
+  unknown) and the next ``run`` starts fresh ones;
+* ``setup`` (a module-level function, optional) runs on every rank before every
+  task, e.g. to reset compile caches between tests sharing a pool;
+* on close: a barrier (rank 0 hosts the rendezvous store, so no rank may leave
+  while another still talks to it), then ``destroy_process_group``.
+
+Environment for the children: ``env`` (a mapping) is applied in each rank before
+torch is imported; Inductor's parallel compile workers are switched off
+(``TORCHINDUCTOR_COMPILE_THREADS=1``) unless ``env`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["DistPool", "RankError", "free_port", "run_distributed"]
+
+_DEFAULT_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+_GRACE_S = 5.0  # after one rank fails, how long to wait for the others' reports
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised: the message carries their tracebacks."""
+
+
+def _is_addr_in_use(text: str) -> bool:
+    s = text.lower()
+    return "address already in use" in s or "eaddrinuse" in s
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    tasks: Any,
+    results: Any,
+    env: dict[str, str],
+    threads: int,
+    coll_timeout: float,
+    setup: Callable[[], None] | None,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+        }
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=coll_timeout)
+        )
+    except BaseException as e:
+        results.put(("ready", rank, False, f"rank {rank}: init_process_group failed: {type(e).__name__}: {e}"))
+        return
+    results.put(("ready", rank, True, None))
+    while True:
+        msg = tasks.get()
+        if msg is None:  # orderly close
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+            return
+        task_id = None
+        try:
+            task_id, fn, args = pickle.loads(msg)
+            if setup is not None:
+                setup()
+            out = fn(rank, world_size, *args)
+            buf = io.BytesIO()
+            torch.save(out, buf)
+            results.put((task_id, rank, True, buf.getvalue()))
+        except BaseException as e:
+            tb = traceback.format_exc()
+            results.put((task_id, rank, False, f"rank {rank}: {type(e).__name__}: {e}\n{tb}"))
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+class DistPool:
+    """``world_size`` gloo ranks kept alive across ``run`` calls."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        threads: int = 1,
+        env: Mapping[str, str] | None = None,
+        setup: Callable[[], None] | None = None,
+        retries: int = 2,
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.threads = threads
+        self.env = dict(_DEFAULT_ENV)
+        self.env.update(env or {})
+        self.setup = setup
+        self.retries = retries
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._task_id = 0
+        self._finalizer: Any = None
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "DistPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def _start(self) -> None:
+        import torch.multiprocessing as mp
+
+        last = ""
+        for _attempt in range(self.retries + 1):
+            ctx = mp.get_context("spawn")
+            self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
+            self._results = ctx.Queue()
+            port = free_port()
+            self._procs = [
+                ctx.Process(
+                    target=_worker,
+                    args=(r, self.world_size, port, self._tasks[r], self._results, self.env, self.threads,
+                          self.timeout, self.setup),
+                    name=f"dist-rank{r}",
+                )
+                for r in range(self.world_size)
+            ]
+            for p in self._procs:
+                p.start()
+            self._finalizer = weakref.finalize(self, _kill_all, list(self._procs))
+            msgs, err = self._collect("ready", self.timeout)
+            if err is None and all(m[2] for m in msgs.values()):
+                return
+            self.kill()
+            last = err or "\n".join(m[3] for m in msgs.values() if not m[2])
+            if not _is_addr_in_use(last):
+                break
+        raise RankError(f"could not start {self.world_size} ranks:\n{last}")
+
+    def kill(self) -> None:
+        """Kill the ranks now (no barrier)."""
+        _kill_all(self._procs)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._procs, self._tasks, self._results = [], [], None
+
+    def close(self) -> None:
+        """Orderly shutdown: barrier, destroy_process_group, exit; kill stragglers."""
+        if not self._procs:
+            return
+        if self.alive:
+            for q in self._tasks:
+                q.put(None)
+            deadline = time.monotonic() + 30
+            for p in self._procs:
+                p.join(timeout=max(0.1, deadline - time.monotonic()))
+        self.kill()
+
+    # ------------------------------------------------------------------ run
+    def _collect(self, task_id: Any, timeout: float) -> tuple[dict[int, tuple], str | None]:
+        """Messages of ``task_id`` by rank; stops early (after a grace period) on
+        a failure. Returns (messages, error text for a timeout or a dead rank)."""
+        msgs: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        while len(msgs) < self.world_size:
+            if any(not m[2] for m in msgs.values()):
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+            try:
+                m = self._results.get(timeout=0.2)
+            except queue.Empty:
+                now = time.monotonic()
+                dead = [i for i, p in enumerate(self._procs) if not p.is_alive() and i not in msgs]
+                if dead:
+                    codes = {i: self._procs[i].exitcode for i in dead}
+                    return msgs, f"rank(s) {dead} died without a report (exit codes {codes})"
+                if now > deadline:
+                    if any(not m[2] for m in msgs.values()):
+                        return msgs, None
+                    missing = sorted(set(range(self.world_size)) - set(msgs))
+                    return msgs, (
+                        f"timed out after {timeout:.0f} s waiting for rank(s) {missing} "
+                        "(a rank hung, e.g. mismatched collectives)"
+                    )
+                continue
+            if m[0] == task_id:
+                msgs[m[1]] = m
+        return msgs, None
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; the results in rank order."""
+        import torch
+
+        if not self.alive:
+            self.kill()
+            self._start()
+        self._task_id += 1
+        payload = pickle.dumps((self._task_id, fn, args))
+        for q in self._tasks:
+            q.put(payload)
+        t = self.timeout if timeout is None else timeout
+        msgs, err = self._collect(self._task_id, t)
+        failures = [m[3] for _, m in sorted(msgs.items()) if not m[2]]
+        if err is not None or failures:
+            self.kill()  # state unknown (ranks may sit in a collective): start over next time
+            name = getattr(fn, "__name__", repr(fn))
+            if err is not None and err.startswith("timed out") and not failures:
+                raise TimeoutError(f"{name} on {self.world_size} ranks: {err}; ranks killed")
+            raise RankError("\n".join(failures + ([err] if err else [])))
+        return [torch.load(io.BytesIO(msgs[r][3]), weights_only=False) for r in range(self.world_size)]
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    threads: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh gloo CPU ranks
+    and return the results (rank order). ``fn`` must be a module-level function
+    and ``args`` picklable."""
+    with DistPool(world_size, timeout=timeout, threads=threads, env=env) as pool:
+        return pool.run(fn, *args)
