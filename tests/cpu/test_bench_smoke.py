@@ -205,3 +205,24 @@ def test_idle_union_and_deepspeed_config():
     assert z["stage"] == 3 and z["overlap_comm"] is True and cfg["compile"] == {"deepcompile": True}
     assert cfg["gradient_clipping"] == 1.0 and cfg["bf16"] == {"enabled": True}
     assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["communication_data_type"] == "fp32"
+
+
+def test_profiler_collective_bytes_by_dtype():
+    """The trace-side count of bytes per dtype that confirms graphcomp's graph count."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.measure import collective_bytes
+
+    from _graphs import world1_group
+
+    with world1_group() as g:
+        x = torch.randn(10, 4, dtype=torch.bfloat16)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(2):
+                torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x, 1, g))
+                torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.reduce_scatter_tensor(x.float(), "sum", 1, g))
+        assert dist.get_world_size() == 1
+    assert collective_bytes(prof, 2, 1) == {"all_gather:bfloat16": 40 * 2, "reduce_scatter:float32": 40 * 4}
+    assert collective_bytes(prof, 2, 4)["all_gather:bfloat16"] == 40 * 2 * 4
