@@ -185,6 +185,12 @@ def deepspeed_config(ctx: Ctx, deepcompile: bool) -> dict:
 def build_deepspeed(ctx: Ctx, deepcompile: bool = False) -> Built:
     if ctx.device.type != "cuda":
         raise NotRun("DeepSpeed ZeRO-3 needs CUDA + NCCL; this run is on CPU/gloo")
+    # DeepSpeed's op builder parses torch's arch list and fails on "9.0a"
+    # ("invalid literal for int() with base 10: '0a'", seen on H200 + torch 2.11):
+    # name the device's own arch so DeepCompile's JIT op build gets a plain one.
+    import os
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "%d.%d" % torch.cuda.get_device_capability(ctx.device))
     try:
         import deepspeed
     except Exception as e:  # noqa: BLE001
