@@ -120,28 +120,43 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None) -> Built:
         options["passes"] = {disable: False}
     backend, backend_desc = _resolve_backend(graphcomp)
     model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
-    try:
-        graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32)
-    except (AttributeError, ImportError) as e:
-        raise NotRun(f"graphcomp.shard() not usable yet: {type(e).__name__}: {e}") from None
+    # One rank: BENCHMARKS.md's 1-GPU target is "graphcomp (no sharding)" vs plain
+    # Inductor, so the model is not sharded and the step is the inductor system's
+    # (autocast bf16): the two differ only in the backend.
+    sharded = ctx.world > 1
+    if sharded:
+        try:
+            graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32)
+        except (AttributeError, ImportError) as e:
+            raise NotRun(f"graphcomp.shard() not usable yet: {type(e).__name__}: {e}") from None
     compiled = torch.compile(model, backend=backend, options=options)
     opt, ocfg = make_optimizer(model.parameters(), ctx.device)
     cfg = {
         **_common_config(ctx), **ocfg,
-        "wrapping": "graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32), then torch.compile",
-        "mixed_precision": "param_dtype=bf16 (gathered weights bf16), reduce_dtype=fp32; no autocast",
-        "compute": "bf16 params/activations; RMSNorm, RoPE and loss upcast to fp32 inside the model",
-        "master_weights": "fp32 shards (optimizer built on model.parameters() after shard)",
         "compile": f"torch.compile(model, {backend_desc}, options={options})",
         "graphcomp_version": getattr(graphcomp, "__version__", None),
     }
+    if sharded:
+        cfg.update({
+            "wrapping": "graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32), then torch.compile",
+            "mixed_precision": "param_dtype=bf16 (gathered weights bf16), reduce_dtype=fp32; no autocast",
+            "compute": "bf16 params/activations; RMSNorm, RoPE and loss upcast to fp32 inside the model",
+            "master_weights": "fp32 shards (optimizer built on model.parameters() after shard)",
+        })
+    else:
+        cfg.update({
+            "wrapping": "none: one rank, no sharding (BENCHMARKS.md: graphcomp (no sharding) vs plain Inductor)",
+            "mixed_precision": f"torch.autocast({ctx.device.type}, bf16) around forward+loss, as the inductor system",
+            "compute": "autocast: matmuls/SDPA in bf16, the rest as autocast decides",
+            "master_weights": "fp32",
+        })
 
     def teardown() -> None:
         reset = getattr(graphcomp, "reset", None)
         if callable(reset):
             reset()
 
-    return Built(step=standard_step(compiled, opt, ctx.device, autocast=False), config=cfg, compiles=True,
+    return Built(step=standard_step(compiled, opt, ctx.device, autocast=not sharded), config=cfg, compiles=True,
                  keep=[compiled, model, opt], teardown=teardown, stats=lambda: {"counters": _counters(graphcomp)})
 
 
