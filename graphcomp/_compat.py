@@ -207,3 +207,134 @@ def process_group_name(group: Any) -> str:
     from torch.distributed.distributed_c10d import _get_process_group_name
 
     return _get_process_group_name(group)
+
+
+# --------------------------------------------------- activation-checkpoint tags
+def checkpoint_policy() -> Any:
+    """``torch.utils.checkpoint.CheckpointPolicy`` (same enum in 2.11 and 2.13).
+
+    The min-cut partitioner reads ``node.meta["recompute"]``: MUST_RECOMPUTE (and
+    PREFER_RECOMPUTE) force a recompute in backward, MUST_SAVE bans it. Its
+    ``force_save_collectives`` tags every ``_c10d_functional`` node MUST_SAVE unless
+    it is already tagged recompute (identical in both versions), so a collective
+    is re-gathered in backward only when we tag it before partitioning."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of a CUDA device (identical on every rank of one machine
+    type), or None for other devices."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+# ------------------------------------------------------------------ CUDA graphs
+def storage_use_count(t: torch.Tensor) -> int:
+    """How many TensorImpls share ``t``'s storage (cudagraph trees use the same
+    private call to detect live outputs)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+def boxed_false() -> Any:
+    """``BoxedBool(False)``: the ``cudagraphs`` kwarg that keeps Inductor from
+    capturing CUDA graphs itself (graphcomp's runners own capture)."""
+    from torch._inductor.utils import BoxedBool
+
+    return BoxedBool(False)
+
+
+def compile_fx_inner_filtered(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """``compile_fx_inner`` with only the kwargs this torch version knows."""
+    from torch._inductor import compile_fx as _cfx
+
+    known = set(getattr(_cfx, "_CompileFxKwargs", type("K", (), {"__annotations__": {}})).__annotations__)
+    known |= set(inspect.signature(_cfx.compile_fx_inner).parameters)
+    kwargs = {k: v for k, v in kwargs.items() if k in known or not known}
+    return _cfx.compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def fw_static_input_indices() -> list[int] | None:
+    """AOT's ``fw_metadata.static_input_indices`` (parameters, buffers) from the
+    current TracingContext, or None outside one."""
+    try:
+        from torch._guards import TracingContext
+
+        tc = TracingContext.try_get()
+        md = getattr(tc, "fw_metadata", None) if tc is not None else None
+        idx = getattr(md, "static_input_indices", None)
+        return list(idx) if idx is not None else None
+    except Exception:
+        return None
+
+
+def fw_num_user_outputs() -> int | None:
+    """Number of forward outputs handed back to user code (mutated inputs + user
+    outputs: ``fw_metadata.num_forward_returns``), or None outside AOTAutograd."""
+    try:
+        from torch._guards import TracingContext
+
+        tc = TracingContext.try_get()
+        md = getattr(tc, "fw_metadata", None) if tc is not None else None
+        n = getattr(md, "num_forward_returns", None)
+        return int(n) if n is not None else None
+    except Exception:
+        return None
+
+
+def count_tangents(gm: fx.GraphModule) -> int:
+    """Leading backward-graph inputs that are not tangents (saved tensors)."""
+    from torch._inductor.utils import count_tangents as _ct
+
+    return _ct(gm)
+
+
+@contextlib.contextmanager
+def nested_tracing_context(fake_mode: Any) -> Iterator[Any]:
+    """A fresh TracingContext (so compiling a piece does not append to the outer
+    graph's output-stride report); yields it."""
+    from torch._guards import TracingContext, tracing
+
+    outer = TracingContext.try_get()
+    tc = TracingContext(fake_mode)
+    if outer is not None and getattr(outer, "fw_metadata", None) is not None:
+        tc.fw_metadata = outer.fw_metadata
+    with tracing(tc):
+        yield tc
+
+
+_DESTROY_WRAPPED = False
+
+
+def wrap_destroy_process_group() -> bool:
+    """Patch ``torch.distributed.destroy_process_group`` once so it releases
+    graphcomp's CUDA graphs first (graphs holding NCCL work hang the destroy).
+    Idempotent; returns True when the patch is (now) in place."""
+    global _DESTROY_WRAPPED
+    if _DESTROY_WRAPPED:
+        return True
+    try:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d_mod
+    except ImportError:  # pragma: no cover
+        return False
+    orig = dist.destroy_process_group
+    if getattr(orig, "_graphcomp_wrapped", False):
+        _DESTROY_WRAPPED = True
+        return True
+
+    @functools.wraps(orig)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        from .runtime import teardown
+
+        teardown()
+        return orig(*args, **kwargs)
+
+    destroy_process_group._graphcomp_wrapped = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+    if getattr(c10d_mod, "destroy_process_group", None) is orig:
+        c10d_mod.destroy_process_group = destroy_process_group
+    _DESTROY_WRAPPED = True
+    return True

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import _compat, dump, graph_utils
+from . import _compat, dump, graph_utils, memory
 from .config import Config
 from .pipeline import PassContext, run_stage
 from .state import STATE
@@ -94,6 +94,7 @@ class FrameCompiler:
             "collectives": colls,
             "bytes_by_dtype": graph_utils.collective_bytes_by_dtype(colls),
             "partitions": self.frame_data.get(f"partitions:{stage}", []),
+            "memory": memory.summary(gm),  # static estimate: peak bytes and where (graphcomp/memory.py)
         }
         if stage in ("fwd", "bwd"):
             for dtype, b in graph_utils.collective_bytes_by_dtype(colls, "all_gather").items():
@@ -115,8 +116,50 @@ class FrameCompiler:
 
     def inner_compile(self, gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         stage = "bwd" if kwargs.get("is_backward") else "fwd"
+        self._stage_inputs(stage, gm, list(kwargs.get("static_input_idxs") or ()), kwargs.get("is_inference", False))
         gm = self.run(stage, gm, example_inputs)
+        if "graphcomp_pieces" in gm.meta:
+            return self.compile_pieces(stage, gm, kwargs)
         return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+
+    # ------------------------------------------------- split graphs (cudagraphs)
+    def _stage_inputs(self, stage: str, gm: fx.GraphModule, static_idxs: list[int], inference: bool) -> None:
+        """Record what the cudagraphs pass needs: static input indices and which
+        outputs reach user code (None = all)."""
+        self.frame_data[f"static_input_idxs:{stage}"] = static_idxs
+        visible = None
+        if stage == "fwd" and not inference:
+            out = next((n for n in gm.graph.nodes if n.op == "output"), None)
+            idxs = out.meta.get("user_visible_output_idxs") if out is not None else None
+            n = _compat.fw_num_user_outputs()
+            if n is not None:
+                visible = list(range(n))
+            elif idxs is not None:
+                visible = list(idxs)
+        self.frame_data[f"user_visible:{stage}"] = visible
+
+    def compile_pieces(self, stage: str, gm: fx.GraphModule, kwargs: dict[str, Any] | None) -> Any:
+        """Compile each piece of a split graph (Inductor when ``kwargs`` is given,
+        else the FX graph as is) and wrap capturable ones in CUDA-graph runners."""
+        from .runtime.codegen import compile_pieces
+
+        if kwargs is not None:
+            def compile_piece(piece: fx.GraphModule, ins: list[Any], static_idxs: list[int]) -> Any:
+                bad = [str(v) for v in ins if isinstance(v, (torch.SymInt, torch.SymFloat)) and not v.node.expr.is_Symbol]
+                if bad:  # Inductor cannot bind the symbols of an expression-valued scalar input
+                    log.info("graphcomp %s: piece has scalar input(s) %s (expressions): running its FX graph "
+                             "without Inductor", stage, bad)
+                    STATE.counters["pieces_not_inductor"] += 1
+                    return _compat.make_boxed_func(piece.forward)
+                kw = dict(kwargs)
+                kw["static_input_idxs"] = static_idxs
+                kw["cudagraphs"] = _compat.boxed_false()  # graphcomp's runners own capture
+                return _compat.compile_fx_inner_filtered(piece, ins, **kw)
+        else:
+            def compile_piece(piece: fx.GraphModule, ins: list[Any], static_idxs: list[int]) -> Any:
+                return _compat.make_boxed_func(piece.forward)
+
+        return compile_pieces(gm, stage, self.cfg, compile_piece, self.frame_data, report_strides=kwargs is not None)
 
     # ------------------------------------------------------------- eager path
     def eager_partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -127,7 +170,15 @@ class FrameCompiler:
         def compiler(gm: fx.GraphModule, example_inputs: Any) -> Any:
             if stage == "inference":
                 gm = self.run("inference", gm)
-            gm = self.run("bwd" if stage == "bwd" else "fwd", gm, example_inputs)
+            st = "bwd" if stage == "bwd" else "fwd"
+            if st == "bwd":
+                static = list(range(_compat.count_tangents(gm)))
+            else:
+                static = _compat.fw_static_input_indices() or []
+            self._stage_inputs(st, gm, static, stage == "inference")
+            gm = self.run(st, gm, example_inputs)
+            if "graphcomp_pieces" in gm.meta:
+                return self.compile_pieces(st, gm, None)
             return _compat.make_boxed_func(gm.forward)
 
         return compiler

@@ -19,6 +19,9 @@ from typing import Any, Literal
 from . import env
 
 Codegen = Literal["inductor", "eager"]
+CudaGraphsMode = Literal["off", "auto", "require"]
+StaticCheck = Literal["first", "always"]
+AddressChange = Literal["error", "recapture"]
 
 
 @dataclass(kw_only=True)
@@ -45,6 +48,69 @@ class Config:
     collectives are packed until the next one would pass this. Larger buckets mean
     fewer, more efficient collectives but more memory held by gathered parameters
     early (a bucket is gathered at its first use). Must be >= 0; 0 disables bucketing."""
+
+    reshard_after_forward: bool | Literal["auto"] = True
+    """Pass ``schedule_free``: whether a gathered parameter is released after its
+    last use in forward and gathered again in backward. ``True``: reshard every
+    gathered parameter (least memory, one more gather per parameter); ``False``:
+    keep every gathered parameter for backward (no re-gather, most memory);
+    ``"auto"``: keep the parameters whose re-gather costs most per byte held
+    (small gathers: latency-bound) while the estimated peak of the joint graph
+    stays under ``memory_budget`` (without a budget, "auto" keeps everything)."""
+
+    memory_budget: int | float | None = None
+    """Peak-memory budget for the scheduling passes: ``int`` bytes, or a ``float``
+    in (0, 1] as a fraction of the device's memory (CUDA only; a fraction on a CPU
+    graph is a ValueError at compile time). Used by ``reshard_after_forward="auto"``
+    and to bound ``schedule_prefetch`` (a gather is not issued earlier when that
+    would push the estimated peak over it). A budget below the estimated peak with
+    everything resharded is infeasible: a warning is logged and recorded, every
+    parameter is resharded and prefetch is limited by ``prefetch_bytes`` only.
+    ``None``: no budget."""
+
+    prefetch_bytes: int = 128 * 2**20
+    """Pass ``schedule_prefetch``: most bytes of all-gather outputs in flight
+    (issued but not yet waited) at any point of a forward or backward graph.
+    Gathers are issued early (in program order) until this cap; a single gather
+    larger than the cap is not moved. Must be >= 0; 0 disables prefetching
+    (waits still sink to their first use)."""
+
+    cudagraphs: CudaGraphsMode = "auto"
+    """CUDA-graph capture of the forward/backward graphs (passes ``partition_graph``
+    and ``cudagraphs``): ``"off"`` never captures (graphs run as compiled);
+    ``"auto"`` cuts each graph at ops CUDA graphs cannot capture, captures the
+    pieces that can be and runs the rest eagerly, logging each reason;
+    ``"require"`` raises if any piece cannot be captured. Graphs without CUDA
+    tensors (CPU) are never split. ``passes={"cudagraphs": False}`` also turns
+    capture off; ``cudagraphs="require"`` together with ``passes={"cudagraphs":
+    False}`` (or ``"partition_graph": False``) is a contradiction: ``ValueError``."""
+
+    split_ops: list[str] = field(default_factory=list)
+    """Extra op names that always run outside CUDA graphs (a cut around each):
+    ``"aten.nonzero"``, ``"aten.nonzero.default"``, ``"aten::nonzero"`` or a bare
+    ``"nonzero"``; custom ops as ``"ns.op"``. Each entry must be a non-empty string."""
+
+    min_piece_nodes: int = 3
+    """A capturable piece with fewer compute nodes than this is not worth a CUDA
+    graph (launch savings below replay overhead): it joins its eager neighbours.
+    Must be >= 1."""
+
+    max_captures: int = 8
+    """CUDA graphs per piece: one capture per input-shape signature (shapes,
+    strides, dtypes and scalar values of the inputs), up to this many; a piece seen
+    with more signatures runs eagerly with a warning. Must be >= 1."""
+
+    check_static_inputs: StaticCheck = "first"
+    """When static inputs (parameters, buffers) of a captured piece are checked
+    for a changed address: ``"first"`` on the first replay of each capture,
+    ``"always"`` on every replay (a few microseconds per piece). Saved activations
+    and outputs of other captured pieces are checked on every replay regardless."""
+
+    on_address_change: AddressChange = "error"
+    """What a changed parameter/buffer address does: ``"error"`` raises naming the
+    input and the fix (keep parameters in place: ``copy_`` into them, never
+    reassign ``.data``); ``"recapture"`` captures the piece again (counted in
+    ``graphcomp.counters['recaptures']``)."""
 
     debug: bool = False
     """Extra checks and logging: lint every graph after every pass (a pass that
@@ -82,6 +148,21 @@ class Config:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         if self.bucket_bytes < 0:
             raise ValueError(f"Config.bucket_bytes: must be >= 0, got {self.bucket_bytes}")
+        if self.prefetch_bytes < 0:
+            raise ValueError(f"Config.prefetch_bytes: must be >= 0, got {self.prefetch_bytes}")
+        mb = self.memory_budget
+        if isinstance(mb, bool):
+            raise ValueError(f"Config.memory_budget: expected int bytes, a float fraction in (0, 1] or None, got {mb!r}")
+        if isinstance(mb, float) and not (0.0 < mb <= 1.0):
+            raise ValueError(f"Config.memory_budget: a float is a fraction of device memory and must be in (0, 1], got {mb!r}")
+        if isinstance(mb, int) and mb <= 0:
+            raise ValueError(f"Config.memory_budget: int bytes must be > 0, got {mb!r}")
+        for name in ("min_piece_nodes", "max_captures"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Config.{name}: must be >= 1, got {getattr(self, name)}")
+        for op in self.split_ops:
+            if not op.strip() or any(c.isspace() for c in op):
+                raise ValueError(f"Config.split_ops: invalid op name {op!r}; use e.g. 'aten.nonzero' or 'aten::nonzero.default'")
         from .pipeline import registered_passes
 
         valid = registered_passes()
@@ -90,6 +171,14 @@ class Config:
             raise ValueError(
                 f"Config.passes: unknown pass name(s) {unknown}; valid passes: {sorted(valid)}"
             )
+
+        if self.cudagraphs == "require":
+            off = [p for p in ("cudagraphs", "partition_graph") if p in valid and self.passes.get(p) is False]
+            if off:
+                raise ValueError(
+                    f"Config.cudagraphs: 'require' conflicts with passes={{{', '.join(repr(p) + ': False' for p in off)}}}; "
+                    "valid: cudagraphs='off' (or 'auto') with the pass disabled, or enable the pass"
+                )
 
     def pass_enabled(self, name: str) -> bool:
         from .pipeline import get_pass
@@ -149,6 +238,13 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
     if tp is type(None):
         if value is not None:
             raise ValueError(f"Config.{name}: expected None, got {value!r}")
+        return
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"Config.{name}: expected a list, got {type(value).__name__} {value!r}")
+        (et,) = args
+        for i, v in enumerate(value):
+            _check_type(f"{name}[{i}]", v, et)
         return
     if origin is dict:
         if not isinstance(value, Mapping):

@@ -256,26 +256,17 @@ def fake_eval(gm: fx.GraphModule, node: fx.Node) -> None:
         set_val(node, node.target(*args, **kwargs))  # type: ignore[operator]
 
 
-def stable_topo_sort(gm: fx.GraphModule, hoist: set[fx.Node] | None = None) -> None:
-    """Reorder ``gm.graph`` so every node follows its inputs, moving as little as
-    possible: a node keeps its place unless an input is not yet defined. Nodes in
-    ``hoist`` pull their not-yet-placed ancestors up to just before themselves
-    (used to place a new bucket at its first use rather than its last input)."""
-    nodes = list(gm.graph.nodes)
-    idx = {n: i for i, n in enumerate(nodes)}
-    prio = dict(idx)
-    if hoist:
-        for h in sorted(hoist, key=lambda n: -idx[n]):
-            stack = list(h.all_input_nodes)
-            while stack:
-                a = stack.pop()
-                if prio[a] > prio[h]:
-                    prio[a] = prio[h]
-                    stack.extend(a.all_input_nodes)
+def priority_topo_sort(gm: fx.GraphModule, keys: dict[fx.Node, Any]) -> bool:
+    """Reorder ``gm.graph`` into a topological order that, among the nodes whose
+    inputs are all placed, always places the one with the smallest ``keys[n]`` (ties:
+    the current position). The output node stays last. Nodes are only moved, never
+    created or erased. Returns True when the order changed."""
     import heapq
 
+    nodes = list(gm.graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
     indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [(prio[n], idx[n], n) for n in nodes if indeg[n] == 0]
+    ready = [(keys[n], idx[n], n) for n in nodes if indeg[n] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
@@ -284,17 +275,38 @@ def stable_topo_sort(gm: fx.GraphModule, hoist: set[fx.Node] | None = None) -> N
         for u in n.users:
             indeg[u] -= 1
             if indeg[u] == 0:
-                heapq.heappush(ready, (prio[u], idx[u], u))
+                heapq.heappush(ready, (keys[u], idx[u], u))
     if len(order) != len(nodes):
         raise RuntimeError("graph has a cycle (graphcomp bug)")
     out = next(n for n in nodes if n.op == "output")
-    if order[-1] is not out:  # keep the output last
+    if order[-1] is not out:
         order.remove(out)
         order.append(out)
+    if order == nodes:
+        return False
     prev = order[0]
     if prev is not nodes[0]:
         nodes[0].prepend(prev)
     for n in order[1:]:
-        if prev.next is not n:
+        if prev.next is not n:  # (moving a node next to itself is not a no-op in every torch)
             prev.append(n)
         prev = n
+    return True
+
+
+def stable_topo_sort(gm: fx.GraphModule, hoist: set[fx.Node] | None = None) -> None:
+    """Reorder ``gm.graph`` so every node follows its inputs, moving as little as
+    possible: a node keeps its place unless an input is not yet defined. Nodes in
+    ``hoist`` pull their not-yet-placed ancestors up to just before themselves
+    (used to place a new bucket at its first use rather than its last input)."""
+    nodes = list(gm.graph.nodes)
+    prio = {n: i for i, n in enumerate(nodes)}
+    if hoist:
+        for h in sorted(hoist, key=lambda n: -prio[n]):
+            stack = list(h.all_input_nodes)
+            while stack:
+                a = stack.pop()
+                if prio[a] > prio[h]:
+                    prio[a] = prio[h]
+                    stack.extend(a.all_input_nodes)
+    priority_topo_sort(gm, prio)

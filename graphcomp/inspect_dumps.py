@@ -81,11 +81,30 @@ def format_frame(frame: dict[str, Any]) -> str:
         out.append(_table(crow, ["stage", "collective", "dtype", "count", "bytes", "buckets"]))
     else:
         out.append("(no collectives)")
+    mrow = []
+    for stage, st in frame.get("stages", {}).items():
+        m = st.get("memory")
+        if not m:
+            continue
+        if "error" in m:
+            mrow.append([stage, "?", "", _short(m["error"], 60)])
+            continue
+        where = f"{m.get('peak_node')} ({m.get('peak_op', '')}, node {m.get('peak_index')}/{m.get('num_nodes')})"
+        big = ", ".join(f"{x['node']}={_fmt_bytes(x['bytes'])}" for x in m.get("largest_live", [])[:3])
+        mrow.append([stage, _fmt_bytes(m["peak_bytes"]), _short(where, 60), _short(big, 60)])
+    if mrow:
+        out.append("")
+        out.append(_table(mrow, ["stage", "est. peak", "where", "largest live there"]))
     parts = [(stage, p) for stage, st in frame.get("stages", {}).items() for p in st.get("partitions", [])]
     if parts:
         out.append("")
-        prow = [[s, str(p.get("piece")), p.get("mode", ""), str(p.get("nodes", "")), _short(p.get("reason"), 60)] for s, p in parts]
-        out.append(_table(prow, ["stage", "piece", "mode", "nodes", "reason"]))
+        prow = [
+            [s, str(p.get("piece")), p.get("mode", ""), str(p.get("nodes", "")),
+             str(p.get("captures", "-")), _fmt_bytes(p["pool_bytes"]) if "pool_bytes" in p else "-",
+             _short(p.get("reason"), 60)]
+            for s, p in parts
+        ]
+        out.append(_table(prow, ["stage", "piece", "mode", "nodes", "captures", "pool", "reason"]))
     return "\n".join(out)
 
 

@@ -7,3 +7,7 @@ Each module's docstring says what it matches, what it rewrites, and when it is a
 
 from . import fuse_allgather_downcast  # noqa: F401
 from . import bucket_collectives  # noqa: F401
+from . import schedule_free  # noqa: F401
+from . import partition_graph  # noqa: F401
+from . import cudagraphs  # noqa: F401
+from . import schedule_prefetch  # noqa: F401

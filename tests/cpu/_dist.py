@@ -103,6 +103,9 @@ def _worker(
             "WORLD_SIZE": str(world_size),
         }
     )
+    import faulthandler
+
+    faulthandler.enable()  # a rank that aborts or segfaults prints its Python stack
     import torch
     import torch.distributed as dist
 

@@ -55,7 +55,8 @@ def _train_sharded(rank, world, cfg):
     options = {
         "codegen": cfg.get("codegen", "eager"),
         "bucket_bytes": cfg.get("bucket_bytes", 12288),
-        "passes": {"fuse_allgather_downcast": cfg["fuse"], "bucket_collectives": cfg["bucket"]},
+        "passes": {"fuse_allgather_downcast": cfg["fuse"], "bucket_collectives": cfg["bucket"], **cfg.get("passes", {})},
+        **cfg.get("options", {}),  # e.g. reshard_after_forward, memory_budget, prefetch_bytes
     }
     cm = torch.compile(m, backend="graphcomp", options=options)
     micro = cfg.get("micro", 1)
@@ -154,3 +155,27 @@ def test_inductor_codegen_2ranks_all_passes(ranks2):
     ref_losses, ref_params = _reference(3, 1)
     res = ranks2.run(_train_sharded, {"fuse": True, "bucket": True, "codegen": "inductor", "steps": 3})
     _check(res, ref_losses, ref_params, rtol=1e-4, atol=1e-5)
+
+
+# schedule_prefetch and schedule_free are on by default, so every test above runs
+# them with fuse/bucket on and off; these pin the other scheduling choices.
+_SCHED = {
+    "off": {"passes": {"schedule_prefetch": False, "schedule_free": False}},
+    "keep": {"options": {"reshard_after_forward": False, "prefetch_bytes": 4096}},
+    "auto": {"options": {"reshard_after_forward": "auto", "memory_budget": 260_000, "prefetch_bytes": 0}},
+}
+
+
+def test_bf16_schedule_policies_are_bitwise_equal(ranks2):
+    """Resharding, keeping, "auto" under a budget, any prefetch cap, and both
+    scheduling passes off give bitwise the same training (scheduling only moves
+    and re-runs gathers; a re-gather of the fused bf16 shard is the same bits)."""
+    base = ranks2.run(_train_sharded, {"fuse": True, "bucket": False, "param_dtype": torch.bfloat16, "steps": 3})
+    for name, extra in _SCHED.items():
+        res = ranks2.run(_train_sharded, {"fuse": True, "bucket": False, "param_dtype": torch.bfloat16, "steps": 3, **extra})
+        for (losses, params, _), (bl, bp, _) in zip(res, base):
+            assert losses == bl, name
+            for k in bp:
+                torch.testing.assert_close(params[k], bp[k], rtol=0, atol=0, msg=lambda m, k=k: f"{name} {k}: {m}")
+    c = base[0][2]
+    assert c["pass:schedule_prefetch:changed"] > 0 and c["gathers_resharded"] > 0

@@ -1,0 +1,203 @@
+"""A static memory model of an FX graph: tensor sizes and lifetimes -> peak bytes.
+
+Model (deterministic: it reads only the graph, so every rank computes the same):
+
+* sizes come from ``node.meta['val']`` (fake tensors; a tuple/list output counts
+  the sum of its tensors); symbolic or missing sizes count 0;
+* a value is allocated by its producer and freed after its last user, in graph
+  order; a view (an op whose schema says its output aliases an input, e.g.
+  ``view``, ``slice``, ``t``, ``wait_tensor``) and a ``getitem`` share the storage
+  of their base, which is counted once and lives until the last user of any alias;
+* graph inputs (placeholders: parameters, shards, saved activations, tangents)
+  are live throughout; values returned by the graph live until its end;
+* a collective's input stays live until the collective's ``wait_tensor`` (the
+  communication reads it until then).
+
+``estimate(gm)`` gives the peak and the node where it occurs. For the joint
+graph, ``reshard=`` models ``schedule_free``: the listed storages are freed after
+their last forward use and allocated again just before their first backward use
+(the partitioner recomputes them there).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import graph_utils as gu
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak of one graph: bytes live at the peak, where it occurs."""
+
+    peak_bytes: int
+    peak_node: str  # the node whose execution reaches the peak ("" for an empty graph)
+    peak_index: int  # its position in graph order
+    inputs_bytes: int  # placeholders (live throughout)
+    num_nodes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def value_bytes(node: fx.Node) -> int:
+    """Bytes of the node's output(s) from ``meta['val']`` (0 if unknown)."""
+    return sum(max(gu.nbytes(t), 0) for t in gu._vals(gu.tensor_meta(node)))
+
+
+def is_alias(node: fx.Node) -> bool:
+    """True when ``node``'s output shares storage with its first input."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem or node.target is torch.ops._c10d_functional.wait_tensor.default:
+        return True  # wait_tensor returns its (in-flight) input
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        rets = t._schema.returns
+        if rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write:
+            return bool(node.args) and isinstance(node.args[0], fx.Node)
+    return False
+
+
+def storage_root(node: fx.Node, _cache: dict[fx.Node, fx.Node] | None = None) -> fx.Node:
+    """The node that allocated the storage ``node``'s value lives in."""
+    n = node
+    while is_alias(n):
+        n = n.args[0]  # type: ignore[assignment]
+    return n
+
+
+def backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes of a joint graph that depend on a tangent (the backward part)."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n.name.startswith("tangents"):
+                out.add(n)
+        elif n.op != "output" and any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def intervals(
+    gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None
+) -> tuple[list[fx.Node], dict[fx.Node, list[tuple[int, int]]], dict[fx.Node, int]]:
+    """(nodes in order, storage root -> live intervals [start, end] inclusive, root -> bytes)."""
+    nodes = list(gm.graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes) - 1
+    roots: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        roots[n] = roots[n.args[0]] if is_alias(n) and n.args[0] in roots else n  # type: ignore[index]
+    size: dict[fx.Node, int] = {}
+    uses: dict[fx.Node, list[int]] = {}
+    for n in nodes:
+        if n.op == "output":
+            continue
+        r = roots[n]
+        if r is n:
+            size[r] = value_bytes(n)
+            uses.setdefault(r, [])
+        for u in n.users:
+            if roots.get(u) is r and u is not r:
+                continue  # an alias of r: its own users count (a view is not a use)
+            uses[r].append(end if u.op == "output" else idx[u])
+    # a collective's input buffer is in use until the collective is waited on
+    for n in nodes:
+        if n.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(n.args[0], fx.Node):
+            for a in n.args[0].all_input_nodes:
+                if a in roots and a.op != "output":
+                    uses[roots[a]].append(idx[n])
+    reshard = set(reshard)
+    if reshard and bwd is None:
+        bwd = backward_nodes(gm)
+    live: dict[fx.Node, list[tuple[int, int]]] = {}
+    for r, us in uses.items():
+        start = 0 if r.op == "placeholder" else idx[r]
+        last = end if r.op == "placeholder" else max(us, default=start)
+        if r in reshard and bwd:
+            fw = [u for u in us if nodes[u] not in bwd and nodes[u].op != "output"]
+            bw = [u for u in us if nodes[u] in bwd or nodes[u].op == "output"]
+            if bw and fw:
+                first_bw = min(bw)
+                live[r] = [(start, max(fw)), (max(first_bw - 1, max(fw) + 1), max(bw))]
+                continue
+        live[r] = [(start, max(last, start))]
+    return nodes, live, size
+
+
+def timeline(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None) -> list[int]:
+    """Bytes live while each node (graph order) runs."""
+    nodes, live, size = intervals(gm, reshard, bwd)
+    delta = [0] * (len(nodes) + 1)
+    for r, ivs in live.items():
+        for s, e in ivs:
+            delta[s] += size[r]
+            delta[e + 1] -= size[r]
+    out, acc = [], 0
+    for i in range(len(nodes)):
+        acc += delta[i]
+        out.append(acc)
+    return out
+
+
+def estimate(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None) -> MemoryEstimate:
+    """Estimated peak bytes of ``gm`` in its current order (see module docstring)."""
+    nodes = list(gm.graph.nodes)
+    tl = timeline(gm, reshard, bwd)
+    inputs = sum(value_bytes(n) for n in nodes if n.op == "placeholder")
+    if not tl:
+        return MemoryEstimate(0, "", -1, 0, 0)
+    i = max(range(len(tl)), key=lambda k: (tl[k], -k))
+    return MemoryEstimate(int(tl[i]), nodes[i].name, i, int(inputs), len(nodes))
+
+
+def graph_device(gm: fx.GraphModule) -> torch.device | None:
+    for n in gm.graph.nodes:
+        for t in gu._vals(gu.tensor_meta(n)):
+            return t.device
+    return None
+
+
+def resolve_budget(budget: int | float | None, gm: fx.GraphModule) -> int | None:
+    """``Config.memory_budget`` in bytes for ``gm``'s device. A float is a fraction
+    of CUDA device memory; on any other device it is a ValueError (CPU memory is
+    shared with everything else on the host: give bytes)."""
+    if budget is None:
+        return None
+    if isinstance(budget, float):
+        from . import _compat
+
+        dev = graph_device(gm)
+        total = _compat.device_memory_bytes(dev) if dev is not None else None
+        if total is None:
+            raise ValueError(
+                f"Config.memory_budget={budget!r} is a fraction of device memory, which graphcomp only defines "
+                f"for CUDA devices; this graph is on {dev}: give the budget in bytes (an int)"
+            )
+        return int(budget * total)
+    return int(budget)
+
+
+def summary(gm: fx.GraphModule, top: int = 5) -> dict[str, Any]:
+    """JSON for ``summary.json`` / ``graphcomp inspect``: estimated peak, where it
+    occurs (node, its op, position) and the largest storages live there."""
+    try:
+        nodes, live, size = intervals(gm)
+        est = estimate(gm)
+    except Exception as e:  # a graph the model does not understand: say so, never fail the compile
+        return {"error": f"{type(e).__name__}: {e}"}
+    out = est.to_json()
+    if est.peak_index >= 0:
+        at = est.peak_index
+        out["peak_op"] = gu.op_name(nodes[at])
+        big = sorted(((size[r], r.name) for r, ivs in live.items() if size[r] and any(s <= at <= e for s, e in ivs)),
+                     reverse=True)[:top]
+        out["largest_live"] = [{"node": n, "bytes": b} for b, n in big]
+    return out

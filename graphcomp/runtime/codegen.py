@@ -1,0 +1,180 @@
+"""Codegen of a split stage graph: compile each piece, wrap it in a runner, run the glue.
+
+``compile_pieces(split, stage, cfg, compile_piece, frame_data)`` takes the
+GraphModule ``partition_graph`` produced (glue graph calling ``piece_<i>``
+submodules) and returns a boxed callable (``fn(list) -> outputs``) for AOTAutograd:
+
+* every piece's output is normalised to a tuple (2.11's ``split_module`` has no
+  ``tuple_return``; ``compile_fx_inner`` needs a tuple);
+* example inputs come from the pieces' placeholder ``meta['val']`` fakes;
+* ``compile_piece(piece_gm, example_inputs, static_idxs)`` compiles it (Inductor
+  with ``cudagraphs=BoxedBool(False)``, or the FX graph as is);
+* ``cudagraph`` pieces are wrapped in :class:`CudaGraphRunner`, ``eager`` pieces in
+  :class:`EagerPiece`; the glue graph runs them in Python in the original order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .manager import RUNTIME
+from .runner import CudaGraphRunner, EagerPiece
+
+log = logging.getLogger(__name__)
+
+
+class _PieceModule(nn.Module):
+    def __init__(self, impl: Any, single: bool):
+        super().__init__()
+        self.impl = impl
+        self.single = single
+
+    def forward(self, *args: Any) -> Any:
+        out = self.impl(*args)
+        return out[0] if self.single else out
+
+
+def normalize_output(piece: fx.GraphModule) -> bool:
+    """Make ``piece`` return a tuple; True when it returned a single value."""
+    out = next(n for n in piece.graph.nodes if n.op == "output")
+    val = out.args[0]
+    if isinstance(val, (tuple, list)):
+        if isinstance(val, list):
+            out.args = (tuple(val),)
+            piece.recompile()
+        return False
+    out.args = ((val,),)
+    piece.recompile()
+    return True
+
+
+def piece_example_inputs(piece: fx.GraphModule) -> list[Any]:
+    vals = []
+    for n in piece.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if "val" not in n.meta:
+            raise NotImplementedError(
+                f"graphcomp: piece input {n.name!r} has no meta['val'] (not yet supported: split graphs need fake values)"
+            )
+        vals.append(n.meta["val"])
+    return vals
+
+
+def _glue_static_idxs(split: fx.GraphModule, static_idxs: list[int]) -> dict[str, list[int]]:
+    phs = [n for n in split.graph.nodes if n.op == "placeholder"]
+    static = {phs[i] for i in static_idxs if 0 <= i < len(phs)}
+    out = {}
+    for n in split.graph.nodes:
+        if n.op == "call_module":
+            out[str(n.target)] = [i for i, a in enumerate(n.args) if a in static]
+    return out
+
+
+def compile_pieces(
+    split: fx.GraphModule,
+    stage: str,
+    cfg: Any,
+    compile_piece: Callable[[fx.GraphModule, list[Any], list[int]], Callable[[list[Any]], Any]],
+    frame_data: dict[str, Any] | None = None,
+    report_strides: bool = False,
+) -> Callable[[list[Any]], Any]:
+    """Compile every piece of ``split`` and return a boxed callable for the stage."""
+    pieces = split.meta["graphcomp_pieces"]
+    plan = split.meta.get("graphcomp_cudagraphs", {})
+    static_idxs = list((frame_data or {}).get(f"static_input_idxs:{stage}", []))
+    glue_static = _glue_static_idxs(split, static_idxs)
+    piece_strides: dict[str, list[Any]] = {}
+    calls = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
+    for name, row in pieces.items():
+        sub = getattr(split, name)
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        single = normalize_output(sub)
+        ex = piece_example_inputs(sub)
+        p = plan.get(name)
+        if p is not None:
+            sidx = [i for i, k in enumerate(p["input_kinds"]) if k not in ("copy", "scalar")]
+        else:
+            sidx = glue_static.get(name, [])
+        compiled, strides = _compile_one(compile_piece, sub, ex, sidx, report_strides)
+        piece_strides[name] = strides
+        node = calls.get(name)
+        names = [a.name if isinstance(a, fx.Node) else repr(a) for a in (node.args if node is not None else ())]
+        stats_row = None
+        for r in (frame_data or {}).get(f"partitions:{stage}", []):
+            if f"piece_{r.get('piece')}" == name:
+                stats_row = r
+        if p is not None and RUNTIME.device.available():
+            impl: Any = CudaGraphRunner(
+                f"{stage}/{name}", compiled, p["input_kinds"],
+                clone_outputs=set(p["clone_outputs"]),
+                max_captures=cfg.max_captures,
+                check_static_inputs=cfg.check_static_inputs,
+                on_address_change=cfg.on_address_change,
+                input_names=names,
+                stats_row=stats_row,
+            )
+            row["runner"] = "CudaGraphRunner"
+        else:
+            impl = EagerPiece(f"{stage}/{name}", compiled)
+        setattr(split, name, _PieceModule(impl, single))
+    split.recompile()
+    if report_strides:
+        _report_output_strides(split, piece_strides)
+
+    def run(args: list[Any]) -> Any:
+        a = list(args)
+        args.clear()
+        return split(*a)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.graphcomp_split = split  # type: ignore[attr-defined]
+    return run
+
+
+def _compile_one(compile_piece: Any, sub: fx.GraphModule, ex: list[Any], sidx: list[int], report: bool) -> tuple[Any, list[Any]]:
+    if not report:
+        return compile_piece(sub, ex, sidx), []
+    from .. import _compat
+
+    with _compat.nested_tracing_context(_compat.detect_fake_mode(ex)) as tc:
+        tc.output_strides = []
+        fn = compile_piece(sub, ex, sidx)
+        return fn, list(tc.output_strides or [])
+
+
+def _report_output_strides(split: fx.GraphModule, piece_strides: dict[str, list[Any]]) -> None:
+    from torch._guards import TracingContext
+
+    outer = TracingContext.try_get()
+    if outer is None or getattr(outer, "output_strides", None) is None:
+        return
+    out = next(n for n in split.graph.nodes if n.op == "output")
+    rets = out.args[0]
+    rets = list(rets) if isinstance(rets, (list, tuple)) else [rets]
+    import operator
+
+    res: list[Any] = []
+    for r in rets:
+        s = None
+        if isinstance(r, fx.Node):
+            if r.op == "call_module":
+                lst = piece_strides.get(str(r.target), [])
+                s = lst[0] if lst else None
+            elif r.op == "call_function" and r.target is operator.getitem and r.args[0].op == "call_module":
+                lst = piece_strides.get(str(r.args[0].target), [])
+                k = int(r.args[1])
+                s = lst[k] if k < len(lst) else None
+            if s is None:
+                v = r.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    s = tuple(v.stride())
+        res.append(s)
+    outer.output_strides.extend(res)

@@ -1,0 +1,199 @@
+"""The one owned runtime object: shared CUDA-graph pool, capture stream, runners.
+
+``RUNTIME`` is the only module-level mutable object of the runtime (``reset()``
+drops everything). It holds:
+
+* the memory pool every captured graph allocates from (``torch.cuda.graph_pool_handle()``),
+* the side stream every warm-up and capture runs on,
+* weak references to every :class:`~graphcomp.runtime.runner.CudaGraphRunner`, so
+  :func:`teardown` can release all graphs,
+* the capture depth behind :func:`is_capturing`.
+
+Counters go to ``graphcomp.counters`` (``pieces_captured``, ``pieces_eager``,
+``captures``, ``recaptures``, ``replays``, ``cudagraph_fallbacks``,
+``cudagraph_output_copy_bytes``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CudaDevice:
+    """The CUDA calls the runner makes, in one place (tests swap in a CPU stand-in)."""
+
+    def pool_handle(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream()
+
+    def wait(self, waiter: Any, on: Any) -> None:
+        waiter.wait_stream(on)
+
+    def stream(self, s: Any) -> Any:
+        return torch.cuda.stream(s)
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, g: Any, pool: Any, stream: Any, fn: Any, inputs: list[Any]) -> Any:
+        """Capture ``fn(inputs)`` into ``g`` on ``stream`` in ``pool``; returns its outputs."""
+        with torch.cuda.graph(g, pool=pool, stream=stream):
+            return fn(list(inputs))
+
+    def synchronize(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.device: Any = CudaDevice()
+        self._lock = threading.Lock()
+        self.pool: Any = None
+        self.stream: Any = None
+        self.runners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._capturing = 0
+        self._setup_done = False
+        self.torn_down = False
+
+    # ------------------------------------------------------------- set-up
+    def ensure(self) -> None:
+        """Create pool and stream on first use; install the teardown hooks and
+        check the NCCL / expandable-segments setting once."""
+        if self._setup_done:
+            return
+        with self._lock:
+            if self._setup_done:
+                return
+            self.pool = self.device.pool_handle()
+            self.stream = self.device.new_stream()
+            check_nccl_env()
+            from .. import _compat
+
+            _compat.wrap_destroy_process_group()
+            atexit.register(teardown)
+            self._setup_done = True
+            self.torn_down = False
+
+    def register(self, runner: Any) -> None:
+        self.runners.add(runner)
+
+    # ---------------------------------------------------------- capturing
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        self._capturing += 1
+        try:
+            yield
+        finally:
+            self._capturing -= 1
+
+    def is_capturing(self) -> bool:
+        if self._capturing > 0:
+            return True
+        try:
+            return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        except RuntimeError:  # CPU-only build
+            return False
+
+    # ----------------------------------------------------------- teardown
+    def teardown(self) -> int:
+        """Release every captured graph and static buffer; returns how many graphs."""
+        n = 0
+        for r in list(self.runners):
+            try:
+                n += r.release()
+            except Exception as e:  # never let teardown fail the exit path
+                log.warning("graphcomp: releasing CUDA graphs of %s failed: %s", getattr(r, "name", r), e)
+        if n:
+            try:
+                self.device.synchronize()
+            except Exception:  # pragma: no cover
+                pass
+        self.torn_down = True
+        if n:
+            log.info("graphcomp: released %d CUDA graph(s)", n)
+        return n
+
+    def reset(self) -> None:
+        self.teardown()
+        self.runners = weakref.WeakSet()
+        self.pool = None
+        self.stream = None
+        self._capturing = 0
+        self._setup_done = False
+        self.torn_down = False
+
+
+RUNTIME = Runtime()
+
+
+def is_capturing() -> bool:
+    """True while a graphcomp runner warms up or captures a piece (warm-up takes
+    the same code path as capture), or while any CUDA stream capture is running
+    on the current stream. Capture-aware ops branch on this."""
+    return RUNTIME.is_capturing()
+
+
+def teardown() -> int:
+    """Release every CUDA graph graphcomp captured (and their static buffers).
+
+    Call it before ``torch.distributed.destroy_process_group()``: a process that
+    still holds graphs with captured collectives hangs there. graphcomp also runs
+    it at interpreter exit (``atexit``) and from ``destroy_process_group`` itself
+    once a graph was captured (``graphcomp._compat.wrap_destroy_process_group``).
+    Compiled functions keep working afterwards, running their pieces eagerly."""
+    return RUNTIME.teardown()
+
+
+def reset() -> None:
+    """Tear down and forget every runner, the pool and the stream (tests)."""
+    RUNTIME.reset()
+
+
+def nccl_env_problem(environ: Any = None) -> str | None:
+    """The warning text when expandable segments are on without
+    ``NCCL_GRAPH_REGISTER=0`` (NCCL + CUDA graphs + expandable segments crash
+    with an illegal memory access), else None."""
+    env = os.environ if environ is None else environ
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + env.get("PYTORCH_ALLOC_CONF", "")
+    opts = {}
+    for part in conf.split(","):
+        if ":" in part:
+            k, v = part.split(":", 1)
+            opts[k.strip()] = v.strip()
+    if opts.get("expandable_segments", "").lower() == "true" and env.get("NCCL_GRAPH_REGISTER", "") != "0":
+        return (
+            "graphcomp: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True but NCCL_GRAPH_REGISTER is not 0; "
+            "NCCL collectives captured in CUDA graphs can crash (illegal memory access). "
+            "Set NCCL_GRAPH_REGISTER=0 before NCCL initialises, or turn expandable segments off."
+        )
+    return None
+
+
+def check_nccl_env() -> bool:
+    msg = nccl_env_problem()
+    if msg:
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return False
+    return True

@@ -1,0 +1,329 @@
+"""partition_graph (fwd / bwd): cut the stage graph where CUDA graphs cannot go.
+
+Matches every node of a stage graph that a CUDA graph cannot capture, and records
+why (a frozen :class:`SplitReason` per cut node)::
+
+    kind              what
+    cpu               a CPU tensor in or out of the node (CPU op)
+    host_sync         an op that reads device data on the host (``.item()``,
+                      ``_local_scalar_dense``, any op tagged ``data_dependent_output``)
+    data_dependent    an op whose output shape depends on data (``nonzero``, ...;
+                      tag ``dynamic_output_shape``)
+    device_copy       a copy between devices (``_to_copy(device=...)``, ``copy_``)
+    cudagraph_unsafe  an op tagged ``torch.Tag.cudagraph_unsafe``
+    unbacked_shape    an output with an unbacked (data-dependent) symbolic size
+    user_split_op     the op is named in ``Config.split_ops``
+    rng               an RNG op that is not graph-safe (explicit ``generator=``,
+                      RNG state get/set)
+    collective_pair   a collective and its wait would land in different pieces
+    too_small         a capturable run shorter than ``Config.min_piece_nodes``
+
+Rewrites the graph with ``split_module(keep_original_order=True)`` into a
+top-level glue graph calling ``piece_0 .. piece_N`` (original node order kept);
+consecutive nodes with the same mode (``cudagraph`` / ``eager``) form one piece.
+A collective and its wait always stay in one piece (or both run eagerly). The plan
+goes to ``ctx.frame_data['partitions:<stage>']`` (JSON rows for summary/inspect),
+the reasons to ``ctx.frame_data['split_reasons:<stage>']`` and both to
+``gm.meta['graphcomp_pieces']`` for the codegen (``backend.compile_pieces``).
+
+No-op (nothing split, numerics untouched) when the graph holds no CUDA tensors
+(all CPU runs and CI) or ``Config.cudagraphs == "off"`` or the cudagraphs pass is
+disabled.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphcomp import graph_utils
+from graphcomp.pipeline import PassContext, register_pass
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class SplitReason:
+    """Why one node runs outside CUDA graphs."""
+
+    node: str
+    kind: str
+    detail: str
+
+
+REASON_KINDS = (
+    "cpu", "host_sync", "data_dependent", "device_copy", "cudagraph_unsafe", "unbacked_shape",
+    "user_split_op", "rng", "collective_pair", "too_small",
+)
+
+# host syncs that are not tagged data_dependent_output in every torch version
+_HOST_SYNC_NAMES = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "_assert_scalar"}
+_COPY_NAMES = {"_to_copy", "copy_", "copy", "_copy_from", "_copy_from_and_resize", "to", "_to_cpu", "pin_memory"}
+_RNG_STATE_NAMES = {"get_rng_state", "set_rng_state", "seed", "manual_seed", "initial_seed"}
+
+
+def _vals(v: Any) -> list[Any]:
+    if isinstance(v, (list, tuple)):
+        return [x for x in v]
+    return [v]
+
+
+def _tensors(v: Any) -> list[torch.Tensor]:
+    return [t for t in _vals(v) if isinstance(t, torch.Tensor)]
+
+
+def _short_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _matches_split_op(node: fx.Node, split_ops: Sequence[str]) -> str | None:
+    if not split_ops:
+        return None
+    full = graph_utils.op_name(node)  # e.g. aten.nonzero.default
+    short = _short_name(node.target)
+    packet = ".".join(full.split(".")[:2])
+    for s in split_ops:
+        s2 = s.replace("::", ".").removeprefix("torch.ops.")
+        if s2 in (full, packet, short):
+            return s
+    return None
+
+
+def _is_unbacked(t: torch.Tensor) -> str | None:
+    syms = []
+    for s in list(t.shape) + list(t.stride()):
+        if isinstance(s, torch.SymInt):
+            syms.extend(str(x) for x in s.node.expr.free_symbols)
+    bad = [s for s in syms if s.startswith("u")]
+    return ", ".join(sorted(set(bad))) if bad else None
+
+
+def uncapturable_reason(node: fx.Node, split_ops: Sequence[str] = ()) -> SplitReason | None:
+    """The per-node capturability predicate: None when ``node`` can be captured in
+    a CUDA graph, else the reason. Placeholders and the output never cut."""
+    if node.op in ("placeholder", "output", "get_attr"):
+        return None
+    name = node.name
+    opn = graph_utils.op_name(node)
+    target = node.target
+    hit = _matches_split_op(node, split_ops)
+    if hit is not None:
+        return SplitReason(name, "user_split_op", f"{opn} matches Config.split_ops entry {hit!r}")
+    if isinstance(target, torch._ops.OpOverload):
+        tags = set(getattr(target, "tags", ()))
+        if hasattr(torch.Tag, "cudagraph_unsafe") and torch.Tag.cudagraph_unsafe in tags:
+            return SplitReason(name, "cudagraph_unsafe", f"{opn} is tagged cudagraph_unsafe")
+        short = _short_name(target)
+        if torch.Tag.data_dependent_output in tags or short in _HOST_SYNC_NAMES:
+            return SplitReason(name, "host_sync", f"{opn} reads device data on the host (a sync)")
+        if torch.Tag.dynamic_output_shape in tags:
+            return SplitReason(name, "data_dependent", f"{opn} has a data-dependent output shape")
+        if short in _RNG_STATE_NAMES:
+            return SplitReason(name, "rng", f"{opn} reads or sets RNG state on the host")
+        if torch.Tag.nondeterministic_seeded in tags and node.kwargs.get("generator") is not None:
+            return SplitReason(name, "rng", f"{opn} uses an explicit generator (not registered with the graph)")
+    # devices: copies between devices, then CPU tensors anywhere
+    out_t = _tensors(node.meta.get("val"))
+    in_t = [t for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))]
+    devs_in = {t.device.type for t in in_t}
+    devs_out = {t.device.type for t in out_t}
+    copy_op = _short_name(target) in _COPY_NAMES
+    if copy_op and ((devs_in and devs_out and devs_in != devs_out) or len(devs_in | devs_out) > 1):
+        return SplitReason(name, "device_copy", f"{opn} moves data between {sorted(devs_in)} and {sorted(devs_out)}")
+    if "cpu" in devs_in | devs_out:
+        which = "output" if "cpu" in devs_out else "input"
+        return SplitReason(name, "cpu", f"{opn} has a CPU tensor {which}")
+    for t in out_t:
+        u = _is_unbacked(t)
+        if u:
+            return SplitReason(name, "unbacked_shape", f"{opn} output has unbacked size {u}")
+    # a scalar (SymInt) node is capturable: scalar inputs of a captured piece are
+    # part of its shape signature (one capture per value), and keeping scalar
+    # arithmetic inside the piece hands it plain symbols Inductor can bind
+    return None
+
+
+def has_cuda_tensors(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        for t in _tensors(n.meta.get("val")):
+            if t.device.type == "cuda":
+                return True
+    return False
+
+
+def _wait_of(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if graph_utils.is_target(u, c10d.wait_tensor.default)] + [
+        w for g in node.users if g.op == "call_function" and g.target is operator.getitem
+        for w in g.users if graph_utils.is_target(w, c10d.wait_tensor.default)
+    ]
+
+
+def plan_pieces(
+    gm: fx.GraphModule,
+    split_ops: Sequence[str] = (),
+    min_piece_nodes: int = 1,
+    predicate: Callable[[fx.Node], SplitReason | None] | None = None,
+) -> tuple[dict[fx.Node, int], list[dict[str, Any]], list[SplitReason]]:
+    """Assign every non-placeholder node a piece id. Returns (node -> piece,
+    plan rows ``{piece, mode, nodes, reason}``, reasons). ``predicate`` overrides the
+    capturability test (tests)."""
+    pred = predicate or (lambda n: uncapturable_reason(n, split_ops))
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    reason: dict[fx.Node, SplitReason] = {}
+    for n in nodes:
+        r = pred(n)
+        if r is not None:
+            reason[n] = r
+    # getitem follows its source (a multi-output node and its getitems stay together)
+    for n in nodes:
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            src = n.args[0]
+            if src in reason and n not in reason:
+                reason[n] = SplitReason(n.name, reason[src].kind, f"getitem of {src.name}: {reason[src].detail}")
+    # a collective and its wait: same mode, and no cut in between
+    pos = {n: i for i, n in enumerate(nodes)}
+    for n in nodes:
+        if graph_utils.collective_kind(n) is None:
+            continue
+        waits = _wait_of(n)
+        if not waits:
+            continue
+        last = max(pos[w] for w in waits)
+        span = nodes[pos[n]: last + 1]
+        group = [n] + waits + [g for g in n.users if g.op == "call_function" and g.target is operator.getitem]
+        if any(m in reason for m in span):
+            why = next(reason[m] for m in span if m in reason)
+            for m in group:
+                if m not in reason:
+                    reason[m] = SplitReason(
+                        m.name, "collective_pair",
+                        f"collective {n.name} and its wait must share a piece; {why.node} ({why.kind}) cuts between them",
+                    )
+    # contiguous runs
+    runs: list[list[Any]] = []  # [mode, [nodes]]
+    for n in nodes:
+        mode = "eager" if n in reason else "cudagraph"
+        if runs and runs[-1][0] == mode:
+            runs[-1][1].append(n)
+        else:
+            runs.append([mode, [n]])
+    # runs too small to pay for capture join their eager neighbours
+    def compute_nodes(ns: list[fx.Node]) -> int:
+        return sum(1 for m in ns if not (m.op == "call_function" and m.target is operator.getitem))
+
+    for r in runs:
+        if r[0] == "cudagraph" and compute_nodes(r[1]) < min_piece_nodes and len(runs) > 1:
+            r[0] = "eager"
+            for m in r[1]:
+                reason[m] = SplitReason(
+                    m.name, "too_small",
+                    f"capturable run of {compute_nodes(r[1])} node(s) < min_piece_nodes={min_piece_nodes}",
+                )
+    merged: list[list[Any]] = []
+    for r in runs:
+        if merged and merged[-1][0] == r[0]:
+            merged[-1][1].extend(r[1])
+        else:
+            merged.append([r[0], list(r[1])])
+    assign: dict[fx.Node, int] = {}
+    rows: list[dict[str, Any]] = []
+    for i, (mode, ns) in enumerate(merged):
+        for m in ns:
+            assign[m] = i
+        rs = [reason[m] for m in ns if m in reason]
+        if mode == "eager":
+            kinds = sorted({r.kind for r in rs})
+            first = rs[0] if rs else None
+            why = f"{','.join(kinds)}: {first.node}: {first.detail}" if first else ""
+        else:
+            why = ""
+        rows.append({"piece": i, "mode": mode, "nodes": len(ns), "reason": why})
+    return assign, rows, sorted(reason.values(), key=lambda r: pos.get(_find(gm, r.node), 0))
+
+
+def _find(gm: fx.GraphModule, name: str) -> fx.Node | None:
+    for n in gm.graph.nodes:
+        if n.name == name:
+            return n
+    return None
+
+
+def split_graph(gm: fx.GraphModule, assign: dict[fx.Node, int]) -> fx.GraphModule:
+    """``split_module(keep_original_order=True)`` by ``assign``; submodules are
+    ``piece_<i>``. Node metadata of the original graph is kept."""
+    from torch.fx.passes.split_module import split_module
+
+    name_to_piece = {n.name: p for n, p in assign.items()}
+
+    def cb(node: fx.Node) -> int:
+        return name_to_piece[node.name]
+
+    split = split_module(gm, None, cb, keep_original_order=True, keep_original_node_name=True)
+    # split_module names submodules submod_<i>; rename to piece_<i>
+    for n in split.graph.nodes:
+        if n.op == "call_module" and str(n.target).startswith("submod_"):
+            new = "piece_" + str(n.target)[len("submod_"):]
+            setattr(split, new, getattr(split, n.target))
+            delattr(split, n.target)
+            n.target = new
+    # carry meta['val'] onto the glue graph's placeholders / piece outputs where names match
+    orig = {n.name: n for n in gm.graph.nodes}
+    for n in split.graph.nodes:
+        if n.op == "placeholder" and n.name in orig:
+            n.meta.update(orig[n.name].meta)
+    for name, sub in split.named_children():
+        for n in sub.graph.nodes:
+            if n.name in orig and "val" not in n.meta:
+                n.meta.update(orig[n.name].meta)
+    split.recompile()
+    return split
+
+
+def piece_plan(split: fx.GraphModule) -> dict[str, Any]:
+    return split.meta.get("graphcomp_pieces", {})
+
+
+@register_pass("partition_graph", stages=("fwd", "bwd"))
+def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Cut the stage graph at nodes CUDA graphs cannot capture (see module docstring)."""
+    cfg = ctx.config
+    mode = getattr(cfg, "cudagraphs", "off")
+    if mode == "off" or not cfg.pass_enabled("cudagraphs"):
+        ctx.nothing("cudagraphs off (Config.cudagraphs='off' or the cudagraphs pass is disabled): no split")
+        return gm
+    if not has_cuda_tensors(gm):
+        ctx.nothing("no CUDA tensors in the graph: nothing to capture, no split")
+        return gm
+    assign, rows, reasons = plan_pieces(gm, cfg.split_ops, cfg.min_piece_nodes)
+    ctx.frame_data[f"split_reasons:{ctx.stage}"] = reasons
+    ctx.frame_data[f"partitions:{ctx.stage}"] = rows
+    for r in reasons:
+        ctx.count(f"cut:{r.kind}")
+    n_cg = sum(1 for r in rows if r["mode"] == "cudagraph")
+    ctx.count("pieces", len(rows))
+    ctx.count("pieces_cudagraph", n_cg)
+    if not assign:
+        ctx.nothing("empty graph: nothing to capture")
+        return gm
+    split = split_graph(gm, assign)
+    split.meta["graphcomp_pieces"] = {
+        f"piece_{r['piece']}": dict(r) for r in rows
+    }
+    split.meta["graphcomp_split_reasons"] = reasons
+    split.meta["graphcomp_split_from"] = gm
+    for r in rows:
+        if r["mode"] == "eager":
+            ctx.note(f"piece_{r['piece']} eager ({r['nodes']} nodes): {r['reason']}")
+            log.info("graphcomp %s piece_%d runs eagerly: %s", ctx.stage, r["piece"], r["reason"])
+    return split

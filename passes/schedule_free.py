@@ -1,0 +1,225 @@
+"""schedule_free (joint): free gathered parameters after forward, re-gather in backward.
+
+Matches every parameter gather of the joint graph (plain, fused or bucketed)::
+
+    shard -> [convert | pack_cast] -> all_gather -> wait -> [slice/view/cast/
+        unpack_gathered/getitem ...] -> first compute users
+
+and tags the whole group (the pure input chain, the collective, its wait and the
+pure view/unpack/getitem/cast nodes up to the first compute users) with
+``node.meta["recompute"]``, which the min-cut partitioner obeys:
+
+* ``MUST_RECOMPUTE`` (reshard): the forward graph keeps no gathered parameter
+  for backward (it saves the shard, a graph input, instead), and the backward
+  graph re-gathers it, placed by the partitioner just before its first backward
+  use. The re-gather is the same group, so a fused downcast re-gathers the
+  narrow dtype and a bucket re-gathers as one bucket.
+* ``MUST_SAVE`` (keep): the gathered value is saved for backward (what the
+  partitioner does to collectives anyway: ``force_save_collectives``).
+
+Which groups are resharded follows ``Config.reshard_after_forward``: ``True`` all,
+``False`` none, ``"auto"``: start from all resharded and keep groups in order of
+re-gather cost per byte held (``(LATENCY_S + wire_bytes / BANDWIDTH_BPS) /
+held_bytes``; small, latency-bound gathers first; ties in graph order) while the
+static memory model (``graphcomp.memory``) of the joint graph stays under
+``Config.memory_budget``. An infeasible budget (over it even with everything
+resharded) logs a warning, is recorded, and reshards everything. No tag uses
+``ac_graph_id``: the partitioner's ``cleanup_recompute_tags`` compares ids only
+between tagged nodes that both have one, so untagged ids change nothing (same
+code in torch 2.11 and 2.13).
+
+No-op when the graph has no all-gather, or (inference) no backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from graphcomp import _compat, memory
+from graphcomp import graph_utils as gu
+from graphcomp.ops import OPS
+from graphcomp.pipeline import PassContext, register_pass
+from graphcomp.state import STATE
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
+
+LATENCY_S = 20e-6  # per-collective latency of the re-gather cost model
+BANDWIDTH_BPS = 50e9  # bytes/s of the re-gather cost model
+
+# pure ops allowed in a gather's input chain (between the shard and the collective)
+PRE_OPS = {prims.convert_element_type.default, aten._to_copy.default, aten.clone.default,
+           aten.contiguous.default, OPS["pack_cast"]} | gu.VIEW_OPS
+
+
+@dataclass
+class GatherGroup:
+    """One parameter (or bucket) gather: the nodes schedule_free tags."""
+
+    coll: fx.Node
+    wait: fx.Node | None
+    pre: list[fx.Node] = field(default_factory=list)
+    post: list[fx.Node] = field(default_factory=list)  # wait's pure descendants, graph order
+    wire_bytes: int = 0
+    held_bytes: int = 0
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return [*self.pre, self.coll, *([self.wait] if self.wait is not None else []), *self.post]
+
+    def roots(self) -> set[fx.Node]:
+        """Storages the gathered parameter occupies (collective output, unpack/cast outputs)."""
+        return {memory.storage_root(n) for n in [self.coll, *self.post]}
+
+
+def is_post_op(node: fx.Node) -> bool:
+    """Ops that only reinterpret, unpack or cast a gathered value (no compute worth a name)."""
+    if node.op != "call_function":
+        return False
+    return (
+        memory.is_alias(node)
+        or node.target is operator.getitem
+        or node.target is OPS["unpack_gathered"]
+        or gu.dtype_cast(node) is not None
+    )
+
+
+def _pre_chain(coll: fx.Node) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    stack = [a for a in coll.all_input_nodes]
+    seen: set[fx.Node] = set()
+    while stack:
+        a = stack.pop()
+        if a in seen or a.op != "call_function" or a.target not in PRE_OPS:
+            continue
+        seen.add(a)
+        out.append(a)
+        stack.extend(a.all_input_nodes)
+    return out
+
+
+def _post_chain(wait: fx.Node) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    stack = list(wait.users)
+    seen: set[fx.Node] = set()
+    while stack:
+        u = stack.pop()
+        if u in seen or not is_post_op(u):
+            continue
+        if any(a is not wait and a not in seen for a in u.all_input_nodes):
+            continue  # mixes in another value: compute, stop here
+        seen.add(u)
+        out.append(u)
+        stack.extend(u.users)
+    return out
+
+
+def gather_groups(gm: fx.GraphModule, bwd: set[fx.Node] | None = None) -> list[GatherGroup]:
+    """Every all-gather of the graph's forward part with its pure chains, in graph order."""
+    idx = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups = []
+    for n in gm.graph.nodes:
+        if not gu.is_target(n, c10d.all_gather_into_tensor.default) or (bwd and n in bwd):
+            continue
+        wait = gu.single_wait(n)
+        g = GatherGroup(coll=n, wait=wait)
+        g.pre = sorted(_pre_chain(n), key=idx.__getitem__)
+        if wait is not None:
+            g.post = sorted(_post_chain(wait), key=idx.__getitem__)
+        g.wire_bytes = memory.value_bytes(n)
+        g.held_bytes = sum(memory.value_bytes(r) for r in g.roots())
+        groups.append(g)
+    return groups
+
+
+def regather_cost_per_byte(g: GatherGroup) -> float:
+    return (LATENCY_S + g.wire_bytes / BANDWIDTH_BPS) / max(g.held_bytes, 1)
+
+
+def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx: PassContext | None = None
+                ) -> tuple[set[int], memory.MemoryEstimate, str | None]:
+    """``reshard_after_forward="auto"``: indices of groups to keep, the estimate
+    of the chosen plan, and the reason when the budget is infeasible."""
+    bwd = memory.backward_nodes(gm)
+    roots = [g.roots() for g in groups]
+    reshard = set().union(*roots) if roots else set()
+    est = memory.estimate(gm, reshard, bwd)
+    if est.peak_bytes > budget:
+        reason = (f"memory_budget={budget} bytes is infeasible: the estimated peak with every gathered "
+                  f"parameter resharded is {est.peak_bytes} bytes (at {est.peak_node}); resharding everything")
+        return set(), est, reason
+    kept: set[int] = set()
+    order = sorted(range(len(groups)), key=lambda i: (-regather_cost_per_byte(groups[i]), i))
+    for i in order:
+        trial = reshard - roots[i]
+        e = memory.estimate(gm, trial, bwd)
+        if e.peak_bytes <= budget:
+            kept.add(i)
+            reshard, est = trial, e
+    return kept, est, None
+
+
+@register_pass("schedule_free", stages=("joint",), after=("fuse_allgather_downcast", "bucket_collectives"))
+def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if ctx.stage != "joint" or not _compat.is_joint_graph(gm):
+        ctx.nothing("no backward in this graph (inference): nothing to free for")
+        return gm
+    bwd = memory.backward_nodes(gm)
+    groups = gather_groups(gm, bwd)
+    if not groups:
+        ctx.nothing("no all_gather_into_tensor in the joint graph (unsharded model or world size 1)")
+        return gm
+    Policy = _compat.checkpoint_policy()
+    mode = ctx.config.reshard_after_forward
+    reason = None
+    if mode == "auto":
+        budget = memory.resolve_budget(ctx.config.memory_budget, gm)
+        if budget is None:
+            kept = set(range(len(groups)))
+            ctx.note("reshard_after_forward='auto' without memory_budget: keeping every gathered parameter")
+            est = memory.estimate(gm, (), bwd)
+        else:
+            kept, est, reason = choose_kept(gm, groups, budget, ctx)
+            ctx.count("budget_bytes", budget)
+        if reason is not None:
+            log.warning("graphcomp schedule_free (frame %s): %s", ctx.frame_id, reason)
+            ctx.note(reason)
+            ctx.count("budget_infeasible")
+            STATE.counters["memory_budget_infeasible"] += 1
+            ctx.frame_data["memory_budget_infeasible"] = reason
+    else:
+        kept = set() if mode else set(range(len(groups)))
+        reshard = set().union(*(g.roots() for i, g in enumerate(groups) if i not in kept))
+        est = memory.estimate(gm, reshard, bwd)
+    n_tagged = 0
+    for i, g in enumerate(groups):
+        policy = Policy.MUST_SAVE if i in kept else Policy.MUST_RECOMPUTE
+        for n in g.nodes:
+            n.meta["recompute"] = policy
+            n_tagged += 1
+        g.coll.meta["graphcomp_reshard"] = i not in kept
+    n_resh = len(groups) - len(kept)
+    ctx.count("gathers_resharded", n_resh)
+    ctx.count("gathers_kept", len(kept))
+    ctx.count("bytes_resharded", sum(g.held_bytes for i, g in enumerate(groups) if i not in kept))
+    ctx.count("nodes_tagged", n_tagged)
+    ctx.count("estimated_peak_bytes", est.peak_bytes)
+    ctx.note(f"estimated joint peak {est.peak_bytes} bytes at {est.peak_node}")
+    ctx.frame_data["schedule_free"] = {
+        "resharded": [g.coll.name for i, g in enumerate(groups) if i not in kept],
+        "kept": [g.coll.name for i, g in enumerate(groups) if i in kept],
+        "estimate": est.to_json(),
+        "reason": reason,
+    }
+    STATE.counters["gathers_resharded"] += n_resh
+    # tags live in node.meta, which gm.code does not show: say so (the pipeline
+    # compares gm.code to decide "changed")
+    ctx.nothing(f"tags only (node.meta['recompute']): {n_resh} gathers resharded, {len(kept)} kept")
+    return gm

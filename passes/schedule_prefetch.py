@@ -1,0 +1,286 @@
+"""schedule_prefetch (fwd / bwd): issue gathers early, wait late; reduce-scatters ASAP.
+
+Moves nodes only; never changes what is computed. The graph is split into the
+compute sequence ``B`` (every node that is not part of a collective group, in
+its original order) and the collective groups:
+
+* gather group: the pure input chain (convert / pack_cast / views of the shard,
+  used only by the gather), ``all_gather``, its ``wait`` and the pure
+  view/unpack/getitem/cast nodes after it (``schedule_free.is_post_op``)::
+
+      B0  B1  B2  B3 [pack_cast -> all_gather -> wait -> unpack -> view] B4(use)
+
+  becomes, when the byte caps allow the gather to start before B1::
+
+      B0 [pack_cast -> all_gather]  B1  B2  B3 [wait -> unpack -> view] B4(use)
+
+  The wait and the post chain sit just before the first compute use. Gathers
+  are issued in their original order; each as early as allowed by (a) its
+  inputs, (b) the previous gather's issue point, (c) ``Config.prefetch_bytes``:
+  the gathered bytes in flight (issued, not yet waited) never pass it, and (d)
+  ``Config.memory_budget``: the static memory model's live bytes plus the
+  prefetched buffer stay under the budget. A single gather larger than the cap
+  stays at its use.
+* reduce-scatter group: the pure input chain (cast, pad, pack_for_reduce_scatter,
+  views), ``reduce_scatter`` and its ``wait``: the collective is issued right
+  after its last compute input; the wait (and what depends on it: the ``/ W``,
+  the cast, the split) is placed as late as possible, before the graph output or
+  the first node that needs it, with at most ``prefetch_bytes`` of
+  reduce-scatter inputs in flight (the oldest is waited just before a new one
+  would pass the cap: an input buffer stays allocated until its wait).
+
+The new order is a priority topological sort, so it is always valid, and the
+priorities depend only on the graph and the config: every rank issues the same
+collectives in the same order. No-op when the graph has no collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from graphcomp import graph_utils as gu
+from graphcomp import memory, pipeline
+from graphcomp.ops import OPS
+from graphcomp.pipeline import PassContext, register_pass
+
+from .schedule_free import PRE_OPS, is_post_op
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+RS_PRE_OPS = PRE_OPS | {aten.constant_pad_nd.default, OPS["pack_for_reduce_scatter"]}
+
+
+@dataclass
+class _Group:
+    kind: str  # "ag" | "rs"
+    coll: fx.Node
+    wait: fx.Node
+    pre: list[fx.Node] = field(default_factory=list)
+    post: list[fx.Node] = field(default_factory=list)
+    nbytes: int = 0
+    in_bytes: int = 0  # reduce-scatter: bytes of its input buffer
+
+
+def _exclusive_pre(coll: fx.Node, ops: set, idx: dict[fx.Node, int], taken: set[fx.Node]) -> list[fx.Node]:
+    """Pure ancestors of ``coll`` all of whose users are ``coll`` or already in the chain."""
+    chain: set[fx.Node] = set()
+    cand: set[fx.Node] = set()
+    stack = list(coll.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a in cand or a.op != "call_function" or a.target not in ops or a in taken:
+            continue
+        cand.add(a)
+        stack.extend(a.all_input_nodes)
+    for a in sorted(cand, key=lambda n: -idx[n]):
+        if all(u is coll or u in chain for u in a.users):
+            chain.add(a)
+    return sorted(chain, key=idx.__getitem__)
+
+
+def _post(wait: fx.Node, idx: dict[fx.Node, int]) -> list[fx.Node]:
+    out: set[fx.Node] = set()
+    stack = list(wait.users)
+    while stack:
+        u = stack.pop()
+        if u in out or not is_post_op(u):
+            continue
+        if any(a is not wait and a not in out for a in u.all_input_nodes):
+            continue
+        out.add(u)
+        stack.extend(u.users)
+    return sorted(out, key=idx.__getitem__)
+
+
+def _groups(gm: fx.GraphModule, idx: dict[fx.Node, int]) -> list[_Group]:
+    groups: list[_Group] = []
+    taken: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if gu.is_target(n, c10d.all_gather_into_tensor.default):
+            kind, ops = "ag", PRE_OPS
+        elif gu.is_target(n, c10d.reduce_scatter_tensor.default):
+            kind, ops = "rs", RS_PRE_OPS
+        else:
+            continue
+        wait = gu.single_wait(n)
+        if wait is None:
+            continue
+        g = _Group(kind, n, wait)
+        g.pre = _exclusive_pre(n, ops, idx, taken)
+        if kind == "ag":
+            g.post = [p for p in _post(wait, idx) if p not in taken]
+        g.nbytes = memory.value_bytes(n)
+        taken.update(g.pre, g.post, (n, wait))
+        groups.append(g)
+    return groups
+
+
+def plan(gm: fx.GraphModule, prefetch_bytes: int, budget: int | None, move_rs: bool = True
+         ) -> tuple[dict[fx.Node, tuple], dict]:
+    """Priority keys for every node plus statistics (see module docstring)."""
+    nodes = list(gm.graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    groups = _groups(gm, idx)
+    moved: set[fx.Node] = set()
+    for g in groups:
+        moved.update(g.pre, g.post, (g.coll, g.wait))
+    B = [n for n in nodes if n not in moved and n.op not in ("placeholder", "output")]
+    bpos = {n: q for q, n in enumerate(B)}
+    # B position before which each original node ran (for "original issue point")
+    before_b, q = {}, 0
+    for n in nodes:
+        before_b[n] = q
+        if n in bpos:
+            q += 1
+    nb = len(B)
+    live = memory.timeline(gm) if budget is not None else None
+    live_b = [live[idx[b]] for b in B] if live is not None else None
+    inflight = [0] * (nb + 1)
+    extra = [0] * (nb + 1)  # bytes the prefetch adds to the memory model
+    keys: dict[fx.Node, tuple] = {}
+    stats = {"gathers": 0, "gathers_moved": 0, "compute_ahead_total": 0, "max_inflight_bytes": 0,
+             "limited_by_bytes": 0, "limited_by_budget": 0, "reduce_scatters": 0, "rs_hoisted": 0,
+             "rs_waited_early": 0}
+    prev_issue = 0
+    for gi, g in enumerate(groups):
+        if g.kind != "ag":
+            continue
+        stats["gathers"] += 1
+        users = [u for m in (g.coll, g.wait, *g.post) for u in m.users if u in bpos]
+        use = min((bpos[u] for u in users), default=nb)
+        ready = max((bpos[a] + 1 for m in (*g.pre, g.coll) for a in m.all_input_nodes if a in bpos), default=0)
+        lo = max(ready, prev_issue)
+        orig = before_b[g.coll]
+        p = use
+        while p > lo:
+            q2 = p - 1
+            if inflight[q2] + g.nbytes > prefetch_bytes:
+                stats["limited_by_bytes"] += 1
+                break
+            if live_b is not None and q2 < orig and live_b[q2] + extra[q2] + g.nbytes > budget:  # type: ignore[operator]
+                stats["limited_by_budget"] += 1
+                break
+            p = q2
+        p = min(p, use)
+        for q2 in range(p, use):
+            inflight[q2] += g.nbytes
+            if q2 < orig:
+                extra[q2] += g.nbytes
+        prev_issue = p
+        g.coll.meta["graphcomp_prefetch_ahead"] = use - p
+        if use - p > 0:
+            stats["gathers_moved"] += 1
+            stats["compute_ahead_total"] += use - p
+        # at one slot: earlier gathers' waits first, then issues, then the compute node
+        for n in (*g.pre, g.coll):
+            keys[n] = (p, 1, gi, idx[n])
+        for n in (g.wait, *g.post):
+            keys[n] = (use, 0, gi, idx[n])
+    stats["max_inflight_bytes"] = max(inflight, default=0)
+    for q2, b in enumerate(B):
+        keys[b] = (q2, 2, 0, idx[b])
+    for g in groups:  # collective groups left where they are (rs with move_rs=False)
+        for n in (*g.pre, g.coll, g.wait, *g.post):
+            keys.setdefault(n, (before_b[n], 1, 0, idx[n]))
+    # reduce-scatters: issue right after the last compute input; wait as late as
+    # possible, but keep at most prefetch_bytes of their inputs in flight (an
+    # input buffer stays allocated until its wait): the oldest pending ones are
+    # waited just before a new one would pass the cap
+    rs_groups = []
+    for gi, g in enumerate(groups):
+        if g.kind != "rs" or not move_rs:
+            continue
+        stats["reduce_scatters"] += 1
+        ready = max((bpos[a] for m in (*g.pre, g.coll) for a in m.all_input_nodes if a in bpos), default=-1)
+        if ready + 1 < before_b[g.coll]:
+            stats["rs_hoisted"] += 1
+        rs_groups.append((ready, gi, g))
+    pending: list[tuple[int, int, _Group]] = []
+    pending_bytes = 0
+    for ready, gi, g in sorted(rs_groups, key=lambda t: (t[0], t[1])):
+        nbytes = memory.value_bytes(g.coll.args[0]) if isinstance(g.coll.args[0], fx.Node) else 0
+        while pending and pending_bytes + nbytes > prefetch_bytes:
+            _, ogi, og = pending.pop(0)
+            pending_bytes -= og.in_bytes
+            keys[og.wait] = (ready, 3, ogi, idx[og.wait])
+            stats["rs_waited_early"] += 1
+        for n in (*g.pre, g.coll):
+            keys[n] = (ready, 3, gi, idx[n])
+        g.in_bytes = nbytes
+        pending.append((ready, gi, g))
+        pending_bytes += nbytes
+    for _, gi, g in pending:
+        keys[g.wait] = (nb, 0, gi, idx[g.wait])
+    for n in nodes:
+        if n.op == "placeholder":
+            keys[n] = (-1, 0, 0, idx[n])
+        elif n.op == "output":
+            keys[n] = (nb + 1, 0, 0, idx[n])
+    return keys, stats
+
+
+reorder = gu.priority_topo_sort
+
+
+# schedule first, then cut pieces (partition_graph keeps the original node order, so
+# a piece boundary never splits the order this pass chose)
+_BEFORE = tuple(n for n in ("partition_graph",) if n in pipeline._REGISTRY)
+
+
+@register_pass("schedule_prefetch", stages=("fwd", "bwd"), before=_BEFORE)
+def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if not any(gu.collective_kind(n) in ("all_gather", "reduce_scatter") for n in gm.graph.nodes):
+        ctx.nothing("no all_gather / reduce_scatter in the graph")
+        return gm
+    budget = memory.resolve_budget(ctx.config.memory_budget, gm)
+    original = {n: (i,) for i, n in enumerate(gm.graph.nodes)}
+    before = memory.estimate(gm)
+    # try the configured caps; if the real estimate of the new order passes the
+    # budget (the plan's model is approximate: moved reduce-scatters and post
+    # chains are not in it), halve the prefetch cap, then stop moving
+    # reduce-scatters, then keep the original order
+    tries: list[tuple[int, bool]] = [(ctx.config.prefetch_bytes, True)]
+    if budget is not None:
+        cap = ctx.config.prefetch_bytes // 2
+        while cap > 0:
+            tries.append((cap, True))
+            cap //= 2
+        tries += [(0, True), (0, False)]
+    limit = None if budget is None else max(budget, before.peak_bytes)
+    chosen = None
+    for cap, move_rs in tries:
+        keys, stats = plan(gm, cap, budget, move_rs)
+        reorder(gm, keys)
+        after = memory.estimate(gm)
+        if limit is None or after.peak_bytes <= limit:
+            chosen = (cap, move_rs)
+            break
+        reorder(gm, original)
+    if chosen is None:
+        after = before
+        ctx.note(f"no schedule kept the estimated peak under memory_budget={budget}: original order kept")
+        ctx.count("budget_fallback_original_order")
+    elif chosen != tries[0]:
+        ctx.note(f"memory_budget={budget}: prefetch cap lowered to {chosen[0]} bytes"
+                 + ("" if chosen[1] else ", reduce-scatters left in place"))
+    changed = [n for n in gm.graph.nodes] != list(original)
+    if chosen is not None:
+        for k, v in stats.items():
+            ctx.count(k, v)
+    ctx.count("estimated_peak_bytes_before", before.peak_bytes)
+    ctx.count("estimated_peak_bytes_after", after.peak_bytes)
+    ctx.frame_data[f"memory_estimate:{ctx.stage}"] = after.to_json()
+    if budget is not None and before.peak_bytes > budget:
+        msg = (f"estimated peak {before.peak_bytes} bytes (at {before.peak_node}) is over memory_budget={budget} "
+               f"bytes before any prefetch (infeasible here); the schedule was kept from raising it")
+        ctx.note(msg)
+        log.warning("graphcomp schedule_prefetch (frame %s %s): %s", ctx.frame_id, ctx.stage, msg)
+    if not changed:
+        ctx.nothing("every collective already sits at its scheduled place (caps reached or nothing to overlap)")
+    return gm

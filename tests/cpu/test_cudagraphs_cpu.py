@@ -1,0 +1,349 @@
+"""CudaGraphRunner logic on the CPU, with a stand-in device whose "graph" replays
+the captured function into the captured output tensors (what a CUDA graph does
+to pool memory). Covers: static-buffer copies, static address checks, recapture,
+output safety (clone / liveness fallback), max_captures, is_capturing during
+warm-up and capture, teardown, the NCCL env warning, the destroy hook."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+import graphcomp
+from graphcomp import _compat, runtime
+from graphcomp.runtime import manager
+from graphcomp.runtime.runner import CudaGraphRunner, StaticAddressError
+
+
+class FakeGraph:
+    def __init__(self):
+        self.fn = None
+        self.inputs = None
+        self.outputs = None
+        self.released = False
+
+    def replay(self):
+        new = self.fn(list(self.inputs))
+        for o, n in zip(self.outputs, new):
+            if isinstance(o, torch.Tensor):
+                o.copy_(n)
+
+    def reset(self):
+        self.released = True
+
+
+class FakeDevice(manager.CudaDevice):
+    def __init__(self):
+        self.capturing_seen = []
+
+    def pool_handle(self):
+        return ("pool",)
+
+    def new_stream(self):
+        return object()
+
+    def current_stream(self):
+        return object()
+
+    def wait(self, a, b):
+        pass
+
+    def stream(self, s):
+        return contextlib.nullcontext()
+
+    def new_graph(self):
+        return FakeGraph()
+
+    def capture(self, g, pool, stream, fn, inputs):
+        g.fn, g.inputs = fn, inputs  # the runner's list: it fills static slots before each replay
+        g.outputs = list(fn(list(inputs)))
+        return g.outputs
+
+    def synchronize(self):
+        pass
+
+    def available(self):
+        return True
+
+
+@pytest.fixture(autouse=True)
+def fake_device(monkeypatch):
+    runtime.reset()
+    dev = FakeDevice()
+    monkeypatch.setattr(runtime.RUNTIME, "device", dev)
+    monkeypatch.setattr(manager, "check_nccl_env", lambda: True)
+    monkeypatch.setattr(_compat, "wrap_destroy_process_group", lambda: True)
+    yield dev
+    runtime.reset()
+    runtime.RUNTIME.device = manager.CudaDevice()
+
+
+def make_runner(fn, kinds, **kw):
+    calls = {"n": 0, "capturing": []}
+
+    def boxed(args):
+        calls["n"] += 1
+        calls["capturing"].append(runtime.is_capturing())
+        return fn(*args)
+
+    r = CudaGraphRunner("fwd/piece_0", boxed, kinds, input_names=[f"arg{i}" for i in range(len(kinds))], **kw)
+    return r, calls
+
+
+def test_replay_copies_non_static_inputs_and_counts():
+    w = torch.randn(3, 3)
+    r, calls = make_runner(lambda w, x: (x @ w,), ["param", "copy"], clone_outputs={0})
+    for i in range(4):
+        x = torch.randn(2, 3)
+        (y,) = r(w, x)
+        torch.testing.assert_close(y, x @ w, rtol=0, atol=0)
+    c = graphcomp.counters
+    assert c["captures"] == 1 and c["replays"] == 4 and c["pieces_captured"] == 1
+    # 2 warm-ups and the capture ran with is_capturing() True (the stand-in
+    # graph's replays call fn again, outside capture)
+    assert calls["capturing"][:3] == [True, True, True]
+    assert not any(calls["capturing"][3:])
+    assert not runtime.is_capturing()
+
+
+def test_changed_param_address_raises_naming_input_and_fix():
+    w, x = torch.randn(3, 3), torch.randn(2, 3)
+    r, _ = make_runner(lambda w, x: (x @ w,), ["param", "copy"], clone_outputs={0}, check_static_inputs="always")
+    r(w, x)
+    with pytest.raises(StaticAddressError, match=r"'arg0'.*changed since capture.*copy_\(\).*on_address_change"):
+        r(w.clone(), x)  # "reassigned parameter": same shape, new address
+
+
+def test_first_check_only_checks_first_replay_always_checks_every():
+    w, x = torch.randn(3, 3), torch.randn(2, 3)
+    r, _ = make_runner(lambda w, x: (x @ w,), ["param", "copy"], clone_outputs={0}, check_static_inputs="first")
+    r(w, x)  # capture + its own replay
+    with pytest.raises(StaticAddressError):
+        r(w.clone(), x)  # the first replay with new inputs is always checked
+    r(w, x)
+    r(w.clone(), x)  # later replays are not checked with "first" (documented trade-off)
+    r2, _ = make_runner(lambda w, x: (x @ w,), ["param", "copy"], clone_outputs={0}, check_static_inputs="always")
+    r2(w, x)
+    with pytest.raises(StaticAddressError):
+        r2(w.clone(), x)
+
+
+def test_recapture_on_address_change():
+    w, x = torch.randn(3, 3), torch.randn(2, 3)
+    r, _ = make_runner(lambda w, x: (x @ w,), ["param", "copy"], clone_outputs={0},
+                       check_static_inputs="always", on_address_change="recapture")
+    r(w, x)
+    w2 = torch.randn(3, 3)
+    (y,) = r(w2, x)
+    torch.testing.assert_close(y, x @ w2, rtol=0, atol=0)
+    assert graphcomp.counters["recaptures"] == 1 and graphcomp.counters["captures"] == 2
+
+
+def test_cloned_output_keeps_its_value_after_next_replay():
+    w = torch.randn(3, 3)
+    r, _ = make_runner(lambda w, x: ((x @ w).sum(),), ["param", "copy"], clone_outputs={0})
+    x1, x2 = torch.randn(2, 3), torch.randn(2, 3)
+    (l1,) = r(w, x1)
+    (l2,) = r(w, x2)
+    assert l1.item() == (x1 @ w).sum().item()
+    assert l2.item() == (x2 @ w).sum().item()
+    assert graphcomp.counters["cudagraph_output_copy_bytes"] == 2 * 4
+
+
+def test_live_uncloned_output_forces_eager_not_overwrite():
+    """Two forwards before one backward: the saved activation of call 1 is still
+    held, so call 2 runs eagerly instead of overwriting it."""
+    w = torch.randn(3, 3)
+    r, _ = make_runner(lambda w, x: ((x @ w).sum(), (x @ w).relu()), ["param", "copy"], clone_outputs={0})
+    x1, x2 = torch.randn(2, 3), torch.randn(2, 3)
+    l1, saved1 = r(w, x1)
+    with pytest.warns(RuntimeWarning, match="still referenced"):
+        l2, saved2 = r(w, x2)
+    torch.testing.assert_close(saved1, (x1 @ w).relu(), rtol=0, atol=0)
+    torch.testing.assert_close(saved2, (x2 @ w).relu(), rtol=0, atol=0)
+    assert graphcomp.counters["cudagraph_fallbacks"] == 1
+    del saved1, saved2
+    replays = graphcomp.counters["replays"]
+    _, s3 = r(w, x1)  # nothing alive any more: replays again
+    assert graphcomp.counters["replays"] == replays + 1
+    torch.testing.assert_close(s3, (x1 @ w).relu(), rtol=0, atol=0)
+
+
+def test_detached_alias_counts_as_alive():
+    r, _ = make_runner(lambda x: (x * 2,), ["copy"])
+    (y,) = r(torch.ones(3))
+    kept = y.detach()  # e.g. losses.append(loss.detach())
+    del y
+    with pytest.warns(RuntimeWarning):
+        r(torch.zeros(3))
+    assert kept.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_saved_input_at_new_address_becomes_a_copied_input():
+    r, _ = make_runner(lambda s, g: (s * g,), ["saved", "copy"], clone_outputs={0})
+    s, g = torch.randn(4), torch.randn(4)
+    r(s, g)
+    for _ in range(3):
+        s2 = torch.randn(4)  # e.g. produced by an eager piece: a new address every step
+        (out,) = r(s2, g)
+        torch.testing.assert_close(out, s2 * g, rtol=0, atol=0)
+    assert r.kinds == ["copy", "copy"]
+    assert graphcomp.counters["recaptures"] == 1 and graphcomp.counters["replays"] == 4
+
+
+def test_max_captures_then_eager_with_warning():
+    r, _ = make_runner(lambda x: (x + 1,), ["copy"], clone_outputs={0}, max_captures=2)
+    for n in (2, 3):
+        r(torch.zeros(n))
+    with pytest.warns(RuntimeWarning, match="max_captures=2"):
+        (y,) = r(torch.zeros(5))
+    assert y.tolist() == [1.0] * 5
+    assert graphcomp.counters["captures"] == 2
+    # a known shape still replays
+    (y2,) = r(torch.zeros(3))
+    assert y2.tolist() == [1.0] * 3
+
+
+def test_scalar_inputs_are_part_of_the_signature():
+    r, _ = make_runner(lambda x, k: (x * k,), ["copy", "scalar"], clone_outputs={0})
+    assert r(torch.ones(2), 2)[0].tolist() == [2.0, 2.0]
+    assert r(torch.ones(2), 3)[0].tolist() == [3.0, 3.0]
+    assert graphcomp.counters["captures"] == 2
+
+
+def test_teardown_releases_graphs_and_runs_eagerly_after():
+    r, _ = make_runner(lambda x: (x + 1,), ["copy"], clone_outputs={0})
+    r(torch.zeros(2))
+    graphs = [c.graph for c in r.captures.values()]
+    assert runtime.teardown() == 1
+    assert all(g.released for g in graphs) and not r.captures
+    assert r(torch.zeros(2))[0].tolist() == [1.0, 1.0]
+    assert not r.captures
+
+
+def test_nccl_env_warning():
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert "NCCL_GRAPH_REGISTER=0" in manager.nccl_env_problem(env)
+    assert manager.nccl_env_problem({**env, "NCCL_GRAPH_REGISTER": "0"}) is None
+    assert manager.nccl_env_problem({}) is None
+    assert manager.nccl_env_problem({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is None
+
+
+def test_is_capturing_false_on_cpu_build():
+    assert runtime.is_capturing() is False
+
+
+def test_wrap_destroy_process_group_tears_down_first(monkeypatch):
+    import importlib
+
+    import torch.distributed as dist
+
+    compat = importlib.reload(importlib.import_module("graphcomp._compat"))  # the real function
+    calls = []
+    orig = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    monkeypatch.setattr(runtime, "teardown", lambda: calls.append("teardown") or 0)
+    monkeypatch.setattr(compat, "_DESTROY_WRAPPED", False)
+    assert compat.wrap_destroy_process_group()
+    assert compat.wrap_destroy_process_group()  # idempotent
+    dist.destroy_process_group()
+    assert calls == ["teardown", "destroy"]
+    monkeypatch.setattr(dist, "destroy_process_group", orig)
+
+
+def test_storage_use_count_sees_aliases():
+    t = torch.zeros(4)
+    base = _compat.storage_use_count(t)
+    v = t.detach()
+    assert _compat.storage_use_count(t) == base + 1
+    del v
+    assert _compat.storage_use_count(t) == base
+
+
+# ------------------------------------------------ end to end through the backend
+class ItemModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x)).sin().cos()
+        s = (h > 0.5).sum().item()  # a host sync (int: stays in the graph): the graph is cut here
+        return (self.l2(h * (s + 1)) ** 2).mean() / (s + 1)
+
+
+@pytest.fixture
+def pretend_cuda(monkeypatch):
+    """Pretend the CPU graphs hold CUDA tensors, so partition_graph splits them and
+    the runners (on the stand-in device) capture/replay."""
+    import graphcomp.passes.partition_graph as pg
+
+    monkeypatch.setattr(pg, "has_cuda_tensors", lambda gm: True)
+    real = pg.uncapturable_reason
+
+    def pred(node, split_ops=()):
+        r = real(node, split_ops)
+        return None if r is not None and r.kind in ("cpu", "device_copy") else r
+
+    monkeypatch.setattr(pg, "uncapturable_reason", pred)
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+
+
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
+    ref, m = ItemModel(), ItemModel()
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen, "min_piece_nodes": 1})
+    opt_r = torch.optim.SGD(ref.parameters(), lr=1e-4)
+    opt_m = torch.optim.SGD(m.parameters(), lr=1e-4)
+    tol = dict(rtol=1e-4, atol=1e-4) if codegen == "inductor" else dict(rtol=1e-5, atol=1e-6)
+    losses, refs = [], []
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        lr_, lm = ref(x), cm(x)
+        lr_.backward()
+        lm.backward()
+        losses.append(lm.detach())  # kept across steps: must keep its own value
+        refs.append(lr_.detach())
+        for a, b in zip(ref.parameters(), m.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, **tol)
+        opt_r.step(); opt_m.step()
+        opt_r.zero_grad(set_to_none=step % 2 == 0); opt_m.zero_grad(set_to_none=step % 2 == 0)
+        torch.testing.assert_close(lm, lr_, **tol)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(refs), **tol)  # read after later steps
+    c = graphcomp.counters
+    assert c["captures"] >= 2 and c["replays"] >= 8, dict(c)
+    assert c["pieces_eager"] >= 1
+    frame = graphcomp._STATE.frames[0]
+    modes = [p["mode"] for p in frame["stages"]["fwd"]["partitions"]]
+    assert "cudagraph" in modes and "eager" in modes
+    captured = [p for p in frame["stages"]["fwd"]["partitions"] if p["mode"] == "cudagraph"]
+    assert all(p["captures"] == 1 and p["pool_bytes"] > 0 for p in captured), captured
+    from graphcomp.inspect_dumps import format_frame
+
+    text = format_frame(frame)
+    assert "captures" in text and "pool" in text and "host_sync" in text and "cudagraph" in text
+
+
+def test_end_to_end_two_microbatches_accumulate(pretend_cuda):
+    ref, m = ItemModel(), ItemModel()
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "min_piece_nodes": 1})
+    for step in range(3):
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + k)) for k in range(2)]
+        # two forwards before one backward (losses summed)
+        (ref(xs[0]) + ref(xs[1])).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            (cm(xs[0]) + cm(xs[1])).backward()
+        # and plain accumulation: forward/backward twice
+        for x in xs:
+            ref(x).backward()
+            cm(x).backward()
+        for a, b in zip(ref.parameters(), m.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+        ref.zero_grad(); m.zero_grad()
+    assert graphcomp.counters["cudagraph_fallbacks"] >= 1  # the second forward ran eagerly

@@ -1,0 +1,382 @@
+"""partition_graph: the capturability predicate (one test per reason), the split,
+and a property test that the split module computes what the original does."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_map
+
+from graphcomp.config import Config
+from graphcomp.pipeline import PassContext, PassRecord
+from graphcomp.runtime.static import classify_static_inputs, output_users
+
+import graphcomp.passes.partition_graph as pg
+from graphcomp.passes.cudagraphs import CudaGraphsRequired, cudagraphs as cudagraphs_pass
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+# ------------------------------------------------------------------ helpers
+def cudaify(gm: fx.GraphModule, cpu_nodes=()) -> fx.GraphModule:
+    """Re-stamp every node's fake value on device 'cuda' (no GPU needed), except
+    the nodes named in ``cpu_nodes``."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+
+        def conv(t, n=n):
+            if isinstance(t, torch.Tensor) and hasattr(t, "fake_mode"):
+                dev = "cpu" if n.name in cpu_nodes else "cuda"
+                with t.fake_mode:
+                    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+            return t
+
+        n.meta["val"] = tree_map(conv, v)
+    return gm
+
+
+def fake_trace(fn, *args, mode="symbolic"):
+    return make_fx(fn, tracing_mode=mode)(*args)
+
+
+def reasons_by_node(gm, **kw):
+    _, _, reasons = pg.plan_pieces(gm, **kw)
+    return {r.node: r for r in reasons}
+
+
+def ctx_for(stage="fwd", **options):
+    cfg = Config.from_options(options)
+    ctx = PassContext(config=cfg, frame_id=0, stage=stage)
+    return ctx
+
+
+def run_partition(gm, stage="fwd", **options):
+    ctx = ctx_for(stage, **options)
+    ctx.record = PassRecord(name="partition_graph", stage=stage, enabled=True)
+    out = pg.partition_graph(gm, ctx)
+    return out, ctx
+
+
+def _x():
+    return torch.randn(8, 4)
+
+
+# ------------------------------------------------------- one test per reason
+def test_reason_cpu():
+    gm = cudaify(fake_trace(lambda x: (x.sin() * 2).cos(), _x()), cpu_nodes={"mul"})
+    r = reasons_by_node(gm)
+    assert r["mul"].kind == "cpu"
+    # the consumer of a CPU tensor also sees it (CPU input)
+    assert r["cos"].kind in ("cpu", "device_copy")
+    assert "sin" not in r
+
+
+def test_reason_host_sync_item():
+    def f(x):
+        s = x.sum().item()
+        return x * s
+
+    gm = cudaify(fake_trace(f, _x()))
+    r = reasons_by_node(gm)
+    lsd = [n for n in gm.graph.nodes if n.target is aten._local_scalar_dense.default]
+    assert lsd and r[lsd[0].name].kind == "host_sync"
+    assert "_local_scalar_dense" in r[lsd[0].name].detail
+
+
+def test_reason_data_dependent_nonzero():
+    gm = cudaify(fake_trace(lambda x: x.nonzero().sum(), _x()))
+    nz = next(n for n in gm.graph.nodes if n.target is aten.nonzero.default)
+    assert reasons_by_node(gm)[nz.name].kind == "data_dependent"
+
+
+def test_reason_unbacked_shape():
+    def f(x):
+        n = x.sum().to(torch.int64).item()
+        torch._check(n >= 0)
+        torch._check(n <= 100)
+        return x.new_zeros(n) + 1
+
+    gm = cudaify(fake_trace(f, torch.ones(3, 3)))
+    r = reasons_by_node(gm)
+    z = [n for n in gm.graph.nodes if n.op == "call_function" and "zeros" in str(n.target) or "full" in str(n.target)]
+    assert z, gm.graph
+    assert r[z[0].name].kind == "unbacked_shape", r
+
+
+def test_reason_device_copy():
+    gm = cudaify(fake_trace(lambda x: x.sin().to(torch.float64).cos(), _x(), mode="fake"), cpu_nodes={"_to_copy"})
+    r = reasons_by_node(gm)
+    assert r["_to_copy"].kind == "device_copy"
+    assert "cuda" in r["_to_copy"].detail and "cpu" in r["_to_copy"].detail
+
+
+def test_reason_cudagraph_unsafe_tag():
+    lib = torch.library.Library("gctest_pg", "FRAGMENT")  # noqa: TOR901
+    lib.define("unsafe(Tensor x) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
+    lib.impl("unsafe", lambda x: x.clone(), "CompositeExplicitAutograd")
+    lib._register_fake("unsafe", lambda x: torch.empty_like(x)) if hasattr(lib, "_register_fake") else \
+        torch.library.register_fake("gctest_pg::unsafe", lambda x: torch.empty_like(x), lib=lib)
+    gm = cudaify(fake_trace(lambda x: torch.ops.gctest_pg.unsafe(x.sin()).cos(), _x(), mode="fake"))
+    r = reasons_by_node(gm)
+    node = next(n for n in gm.graph.nodes if "unsafe" in str(n.target))
+    assert r[node.name].kind == "cudagraph_unsafe"
+
+
+def test_reason_user_split_op():
+    gm = cudaify(fake_trace(lambda x: x.sin().cos().exp(), _x(), mode="fake"))
+    for spelling in ("aten.cos", "aten::cos", "aten.cos.default", "cos"):
+        r = reasons_by_node(gm, split_ops=[spelling])
+        assert r["cos"].kind == "user_split_op" and spelling in r["cos"].detail
+        assert set(r) == {"cos"}
+
+
+def test_reason_rng_with_generator():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    gen = g.placeholder("gen")  # a user generator passed into the graph
+    b = g.call_function(aten.bernoulli.p, (x, 0.5), {"generator": gen})
+    b2 = g.call_function(aten.bernoulli.p, (x, 0.5))
+    g.output((b, b2))
+    gm = fx.GraphModule({}, g)
+    with torch._subclasses.FakeTensorMode():
+        v = torch.empty(4, device="cuda")
+    for n in gm.graph.nodes:
+        if n.op != "output" and n.name != "gen":
+            n.meta["val"] = v
+    r = reasons_by_node(gm)
+    assert r[b.name].kind == "rng"
+    assert b2.name not in r  # default-generator RNG is graph-safe (philox offsets advance per replay)
+
+
+def test_reason_collective_pair_stays_together():
+    def f(x):
+        ag = c10d.all_gather_into_tensor(x, 2, "g0")
+        s = x.sum().item()  # a host sync between the collective and its wait
+        w = c10d.wait_tensor(ag)
+        return w * s
+
+    gm = cudaify(fake_trace(f, _x()))
+    assign, rows, reasons = pg.plan_pieces(gm)
+    r = {x.node: x for x in reasons}
+    ag = next(n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default)
+    w = next(n for n in gm.graph.nodes if n.target is c10d.wait_tensor.default)
+    assert r[ag.name].kind == "collective_pair" and r[w.name].kind == "collective_pair"
+    assert rows[assign[ag]]["mode"] == "eager" and rows[assign[w]]["mode"] == "eager"
+
+
+def test_collective_pair_without_cut_is_captured_together():
+    def f(x):
+        w = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 2, "g0"))
+        return (w.sin() * 2).cos()
+
+    gm = cudaify(fake_trace(f, _x(), mode="fake"))
+    assign, rows, reasons = pg.plan_pieces(gm)
+    assert reasons == [] and len(rows) == 1 and rows[0]["mode"] == "cudagraph"
+
+
+def test_reason_too_small_joins_eager_neighbours():
+    def f(x):
+        a = x.sum().item()
+        y = x * a  # a 1-node capturable run between two syncs
+        b = y.sum().item()
+        return y.sin().cos().exp().tanh() + b
+
+    gm = cudaify(fake_trace(f, _x()))
+    _, rows, reasons = pg.plan_pieces(gm, min_piece_nodes=3)
+    assert "too_small" in {r.kind for r in reasons}
+    assert rows[-1]["mode"] == "cudagraph"
+    _, rows1, reasons1 = pg.plan_pieces(gm, min_piece_nodes=1)
+    assert "too_small" not in {r.kind for r in reasons1}
+    assert sum(r["mode"] == "cudagraph" for r in rows1) > sum(r["mode"] == "cudagraph" for r in rows)
+
+
+# --------------------------------------------------------------- the pass
+def test_no_split_without_cuda_tensors():
+    gm = fake_trace(lambda x: x.sum().item() * x, _x())
+    code = gm.code
+    out, ctx = run_partition(gm)
+    assert out is gm and out.code == code
+    assert "no CUDA tensors" in ctx.record.reason
+    assert "partitions:fwd" not in ctx.frame_data
+
+
+def test_no_split_when_cudagraphs_off():
+    gm = cudaify(fake_trace(lambda x: x.sum().item() * x, _x()))
+    out, ctx = run_partition(gm, cudagraphs="off")
+    assert out is gm and "cudagraphs off" in ctx.record.reason
+    out, ctx = run_partition(gm, passes={"cudagraphs": False})
+    assert out is gm and "cudagraphs off" in ctx.record.reason
+
+
+def test_split_plan_rows_and_reasons_recorded():
+    def f(x):
+        y = x.sin().cos().exp()
+        s = y.sum().item()
+        return (y * s).tanh().sigmoid().neg()
+
+    gm = cudaify(fake_trace(f, _x()))
+    out, ctx = run_partition(gm)
+    rows = ctx.frame_data["partitions:fwd"]
+    assert [r["mode"] for r in rows] == ["cudagraph", "eager", "cudagraph"]
+    assert "host_sync" in rows[1]["reason"]
+    assert all(set(r) >= {"piece", "mode", "nodes", "reason"} for r in rows)
+    reasons = ctx.frame_data["split_reasons:fwd"]
+    assert all(isinstance(r, pg.SplitReason) for r in reasons)
+    with pytest.raises(Exception):
+        reasons[0].kind = "x"  # frozen
+    subs = [n.target for n in out.graph.nodes if n.op == "call_module"]
+    assert subs == ["piece_0", "piece_1", "piece_2"]
+    assert set(out.meta["graphcomp_pieces"]) == set(subs)
+    assert ctx.record.counts["cut:host_sync"] >= 1
+
+
+def test_cudagraphs_require_raises_naming_reason():
+    gm = cudaify(fake_trace(lambda x: x.sin().cos().exp() * x.sum().item(), _x()))
+    out, ctx = run_partition(gm, cudagraphs="require")
+    ctx.record = PassRecord(name="cudagraphs", stage="fwd", enabled=True)
+    with pytest.raises(CudaGraphsRequired, match="host_sync"):
+        cudagraphs_pass(out, ctx)
+
+
+def test_config_conflicts_and_validation():
+    with pytest.raises(ValueError, match="Config.cudagraphs: 'require' conflicts"):
+        Config.from_options({"cudagraphs": "require", "passes": {"cudagraphs": False}})
+    with pytest.raises(ValueError, match="Config.cudagraphs: invalid value"):
+        Config.from_options({"cudagraphs": "on"})
+    with pytest.raises(ValueError, match="Config.min_piece_nodes: must be >= 1"):
+        Config.from_options({"min_piece_nodes": 0})
+    with pytest.raises(ValueError, match="Config.max_captures: must be >= 1"):
+        Config.from_options({"max_captures": 0})
+    with pytest.raises(ValueError, match=r"Config.split_ops\[0\]: expected str"):
+        Config.from_options({"split_ops": [3]})
+    with pytest.raises(ValueError, match="Config.split_ops: invalid op name"):
+        Config.from_options({"split_ops": [""]})
+    with pytest.raises(ValueError, match="Config.split_ops: expected a list"):
+        Config.from_options({"split_ops": "aten.nonzero"})
+    for k, v in (("check_static_inputs", "sometimes"), ("on_address_change", "ignore")):
+        with pytest.raises(ValueError, match=rf"Config.{k}: invalid value"):
+            Config.from_options({k: v})
+
+
+# ------------------------------------------------- static-input classification
+def test_static_input_classification():
+    def f(w, b, x):
+        h = (x @ w).relu().sin()  # piece 0 (captured)
+        s = h.sum().item()  # piece 1 (eager)
+        y = (h * s + b).cos().exp()  # piece 2 (captured): h from piece 0, b param, s scalar
+        return y.sum(), y
+
+    args = (torch.randn(4, 4), torch.randn(4), torch.randn(2, 4))
+    gm = cudaify(fake_trace(f, *args))
+    out, ctx = run_partition(gm, min_piece_nodes=1)
+    pieces = out.meta["graphcomp_pieces"]
+    captured = {k for k, r in pieces.items() if r["mode"] == "cudagraph"}
+    kinds = classify_static_inputs(out, [0, 1], captured, "fwd")
+    calls = {n.target: n for n in out.graph.nodes if n.op == "call_module"}
+    for name, ks in kinds.items():
+        for a, k in zip(calls[name].args, ks):
+            if a.name in ("w_1", "b_1", "w", "b"):
+                assert k == "param", (name, a, k)
+            elif a.name in ("x_1", "x"):
+                assert k == "copy"
+    last = sorted(captured)[-1]
+    assert "piece_output" in kinds[last] or "copy" in kinds[last]
+    # the piece-1 (eager) result feeding piece 2 is copied; piece 0's output h is static
+    src = {a.name: k for a, k in zip(calls[last].args, kinds[last])}
+    assert any(k == "piece_output" for k in src.values()), src
+    assert any(k in ("copy", "scalar") for n_, k in src.items() if n_ not in ("w_1", "b_1")), src
+    # bwd: static indices are saved tensors
+    kb = classify_static_inputs(out, [0, 1], captured, "bwd")
+    assert "saved" in kb[sorted(captured)[0]]
+    # clone policy: user-visible outputs of captured pieces
+    clones = output_users(out, [0])
+    assert clones and all(isinstance(v, set) for v in clones.values())
+
+
+# ------------------------------------------------- property: split == original
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+UNARY = [torch.sin, torch.cos, torch.tanh, torch.neg, lambda t: t * 2, lambda t: t + 1, torch.relu]
+
+
+def _random_program(ops):
+    def f(x, y):
+        vals = [x, y]
+        for kind, i, j, k in ops:
+            a, b = vals[i % len(vals)], vals[j % len(vals)]
+            if kind == 0:
+                vals.append(UNARY[k % len(UNARY)](a))
+            elif kind == 1:
+                vals.append(a + b)
+            elif kind == 2:
+                vals.append(a * b)
+            elif kind == 3:
+                p, q = torch.split(a, 2, dim=0)  # multi-output node + getitems
+                vals.append(torch.cat([q, p]))
+            else:
+                m, v = torch.var_mean(a, dim=0, keepdim=True)
+                vals.append(a - m + v)
+        return tuple(vals[-3:]) + (vals[2 % len(vals)],)
+
+    return f
+
+
+op_st = st.tuples(st.integers(0, 4), st.integers(0, 30), st.integers(0, 30), st.integers(0, 30))
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(op_st, min_size=1, max_size=14), mask=st.integers(0, 2**16 - 1), min_nodes=st.integers(1, 3))
+def test_split_module_equals_original(ops, mask, min_nodes):
+    f = _random_program(ops)
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    gm = make_fx(f)(x, y)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    bad = {n.name for i, n in enumerate(nodes) if (mask >> (i % 16)) & 1}
+
+    def pred(n):
+        return pg.SplitReason(n.name, "user_split_op", "random") if n.name in bad else None
+
+    assign, rows, _ = pg.plan_pieces(gm, min_piece_nodes=min_nodes, predicate=pred)
+    split = pg.split_graph(gm, assign)
+    # modes alternate; every node assigned
+    assert all(a["mode"] != b["mode"] for a, b in zip(rows, rows[1:]))
+    assert set(assign) == {n for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
+    # the collective/order invariant: pieces appear in order
+    order = [n.target for n in split.graph.nodes if n.op == "call_module"]
+    assert order == sorted(order, key=lambda s: int(s.split("_")[1]))
+    ref = gm(x, y)
+    got = split(x, y)
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    # and through the codegen (eager pieces, output normalisation, glue)
+    from graphcomp.runtime.codegen import compile_pieces
+
+    split.meta["graphcomp_pieces"] = {f"piece_{r['piece']}": dict(r) for r in rows}
+    run = compile_pieces(split, "fwd", Config(), lambda p, ins, s: (lambda a: p(*a)), {})
+    got2 = run([x, y])
+    for a, b in zip(ref, got2):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_getitem_stays_with_its_source():
+    def f(x):
+        a, b = torch.split(x, 4)
+        return a.sin(), b.cos()
+
+    gm = make_fx(f)(_x())
+    split_node = next(n for n in gm.graph.nodes if "split" in str(n.target))
+
+    def pred(n):
+        return pg.SplitReason(n.name, "user_split_op", "t") if n is split_node else None
+
+    assign, rows, reasons = pg.plan_pieces(gm, predicate=pred)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem:
+            assert assign[n] == assign[split_node]

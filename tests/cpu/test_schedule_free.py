@@ -1,0 +1,224 @@
+"""schedule_free on joint graphs from AOTAutograd: what the min-cut partitioner
+saves and re-gathers under each reshard policy, the fused dtype of re-gathers,
+and the "auto" budget (hand-built graphs + hypothesis)."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _graphs import gather, run_pass, trace, world1_group
+
+from graphcomp import _compat, memory
+from graphcomp.graph_utils import is_target
+from graphcomp.sharding import _GatherParam
+from graphcomp.passes.schedule_free import choose_kept, gather_groups, is_post_op
+
+c10d = torch.ops._c10d_functional
+AG = c10d.all_gather_into_tensor.default
+
+
+def _mlp(group, param_dtype=None):
+    """Two layers over shards of a 1-rank group (real collectives): both gathered
+    weights are needed again in backward (grad of the input goes through them)."""
+
+    def f(x, s1, s2):
+        w1 = _GatherParam.apply(s1, 8, (8, 6), param_dtype, torch.float32, group, 1)
+        w2 = _GatherParam.apply(s2, 4, (4, 8), param_dtype, torch.float32, group, 1)
+        if param_dtype is not None:
+            x = x.to(param_dtype)
+        return (torch.tanh(x @ w1.t()) @ w2.t()).float()
+
+    return f
+
+
+def _compile(f, joint_passes, **options):
+    """aot_function with our joint passes before the min-cut partitioner; returns
+    the compiled fn and a dict that gets the joint/fwd/bwd graphs and records."""
+    from functorch.compile import aot_function
+
+    got = {}
+
+    def partition(joint, joint_inputs, **kw):
+        recs = {}
+        for name in joint_passes:
+            joint, recs[name] = run_pass(name, joint, **options)
+        got["joint"], got["records"] = joint, recs
+        fwd, bwd = _compat.min_cut_partition(joint, joint_inputs, **kw)
+        got["fwd"], got["bwd"] = fwd, bwd
+        return fwd, bwd
+
+    def nop(gm, _):
+        return gm
+
+    return aot_function(f, fw_compiler=nop, bw_compiler=nop, partition_fn=partition), got
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 6, generator=g, requires_grad=True)
+    s1 = torch.randn(8, 6, generator=g, requires_grad=True)
+    s2 = torch.randn(4, 8, generator=g, requires_grad=True)
+    return x, s1, s2
+
+
+def _run(f, inputs):
+    out = f(*inputs)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    return out.detach(), grads
+
+
+def _saved_gathers(fwd):
+    """fwd outputs that are (views/casts of) a gathered value."""
+    out = next(n for n in fwd.graph.nodes if n.op == "output")
+    bad = []
+    for a in out.args[0]:
+        n = a
+        while isinstance(n, torch.fx.Node) and (is_post_op(n) or is_target(n, c10d.wait_tensor.default)):
+            n = n.args[0]
+        if isinstance(n, torch.fx.Node) and is_target(n, AG):
+            bad.append(a.name)
+    return bad
+
+
+def _gathers(gm):
+    return [n for n in gm.graph.nodes if is_target(n, AG)]
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_reshard_true_regathers_in_backward_and_saves_no_gathered_param(fuse):
+    with world1_group() as group:
+        f = _mlp(group, torch.bfloat16 if fuse else None)
+        ref = _run(f, _inputs())
+        passes = ["fuse_allgather_downcast", "schedule_free"] if fuse else ["schedule_free"]
+        cf, got = _compile(f, passes, reshard_after_forward=True)
+        res = _run(cf, _inputs())
+    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    assert _saved_gathers(got["fwd"]) == []
+    assert len(_gathers(got["fwd"])) == 2 and len(_gathers(got["bwd"])) == 2
+    rec = got["records"]["schedule_free"]
+    assert rec.counts["gathers_resharded"] == 2 and rec.counts["gathers_kept"] == 0
+    if fuse:  # the re-gather moves bf16 too (the fused downcast survives recompute)
+        for ag in _gathers(got["bwd"]):
+            assert ag.meta["val"].dtype == torch.bfloat16
+            assert ag.args[0].meta["val"].dtype == torch.bfloat16
+
+
+def test_reshard_false_saves_every_gathered_param():
+    with world1_group() as group:
+        f = _mlp(group)
+        ref = _run(f, _inputs())
+        cf, got = _compile(f, ["schedule_free"], reshard_after_forward=False)
+        res = _run(cf, _inputs())
+    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    assert len(_saved_gathers(got["fwd"])) == 2
+    assert _gathers(got["bwd"]) == []
+    assert got["records"]["schedule_free"].counts["gathers_kept"] == 2
+
+
+def test_bucketed_gathers_regather_as_one_bucket():
+    with world1_group() as group:
+        f = _mlp(group, torch.bfloat16)
+        ref = _run(f, _inputs())
+        cf, got = _compile(f, ["fuse_allgather_downcast", "bucket_collectives", "schedule_free"])
+        res = _run(cf, _inputs())
+    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    (ag,) = _gathers(got["bwd"])
+    assert ag.meta["val"].dtype == torch.bfloat16
+    assert _saved_gathers(got["fwd"]) == []
+
+
+def _joint_like(sizes, bwd_uses):
+    """A joint-shaped graph: gather i (sizes[i] rows of 16 fp32) is used in forward,
+    and again after the tangent (the backward part) when bwd_uses[i]."""
+    world = 2
+
+    def f(x, tangents_1, *shards):
+        ws = [gather(s, world, "g", shape=(world * s.shape[0], 16)) for s in shards]
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w.t()[:16, :16].contiguous())
+        big = torch.ones(4096) * h.sum()  # a forward peak after the last weight use (16 KiB)
+        h = h + big.sum()
+        g = tangents_1
+        for w, use in zip(reversed(ws), reversed(bwd_uses)):
+            if use:
+                g = torch.tanh(g @ w[:16, :16])  # backward use: depends on the tangent
+        return h.sum(), g
+
+    shards = [torch.randn(n, 16) for n in sizes]
+    gm = trace(f, torch.randn(4, 16), torch.randn(4, 16), *shards)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    phs[1]._rename("tangents_1")  # AOTAutograd's name for the cotangent input (varargs lost it)
+    gm.recompile()
+    return gm
+
+
+def test_auto_keeps_what_fits_cheapest_first():
+    gm = _joint_like([8, 8, 64, 8], [True, True, True, True])
+    groups = gather_groups(gm, memory.backward_nodes(gm))
+    assert len(groups) == 4
+    all_resh = memory.estimate(gm, set().union(*(g.roots() for g in groups))).peak_bytes
+    keep_all = memory.estimate(gm).peak_bytes
+    assert keep_all > all_resh
+    kept, est, reason = choose_kept(gm, groups, all_resh)
+    assert reason is None and est.peak_bytes <= all_resh
+    kept, est, reason = choose_kept(gm, groups, keep_all)
+    assert kept == {0, 1, 2, 3} and reason is None
+    # budget for the three small ones but not the big one: small gathers cost more per byte to re-gather
+    small = all_resh + 3 * groups[0].held_bytes
+    kept, est, reason = choose_kept(gm, groups, small)
+    assert 2 not in kept and est.peak_bytes <= small
+
+
+def test_auto_infeasible_budget_warns_and_reshards_everything(caplog):
+    gm = _joint_like([8, 8], [True, True])
+    with caplog.at_level(logging.WARNING, logger="graphcomp.passes.schedule_free"):
+        gm, rec = run_pass("schedule_free", gm, reshard_after_forward="auto", memory_budget=1000)
+    assert rec.counts["budget_infeasible"] == 1 and rec.counts["gathers_resharded"] == 2
+    assert any("infeasible" in r.message for r in caplog.records)
+    assert all(n.meta["recompute"] == _compat.checkpoint_policy().MUST_RECOMPUTE
+               for n in gm.graph.nodes if is_target(n, AG))
+
+
+def test_auto_without_budget_keeps_everything():
+    gm = _joint_like([8, 8], [True, False])
+    gm, rec = run_pass("schedule_free", gm, reshard_after_forward="auto")
+    assert rec.counts["gathers_kept"] == 2
+
+
+def test_inference_graph_is_a_noop():
+    gm = trace(lambda s, x: x @ gather(s, 2, "g", shape=(4, 4)), torch.randn(2, 4), torch.randn(3, 4))
+    gm, rec = run_pass("schedule_free", gm)
+    assert "no backward" in rec.reason
+    assert not any("recompute" in n.meta for n in gm.graph.nodes)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.sampled_from([8, 16, 64]), min_size=1, max_size=4),
+    uses=st.lists(st.booleans(), min_size=4, max_size=4),
+    frac=st.floats(min_value=-0.5, max_value=1.5),
+)
+def test_property_auto_budget(sizes, uses, frac):
+    """Estimated peak <= budget whenever the budget is feasible; a recorded reason
+    when it is not; the same decision for the same graph (rank determinism)."""
+    gm = _joint_like(sizes, uses[: len(sizes)])
+    groups = gather_groups(gm, memory.backward_nodes(gm))
+    lo = memory.estimate(gm, set().union(*(g.roots() for g in groups))).peak_bytes
+    hi = memory.estimate(gm).peak_bytes
+    budget = max(1, int(lo + frac * (hi - lo)))
+    kept, est, reason = choose_kept(gm, groups, budget)
+    if budget >= lo:
+        assert reason is None and est.peak_bytes <= budget
+        assert memory.estimate(gm, set().union(set(), *(g.roots() for i, g in enumerate(groups) if i not in kept))).peak_bytes <= budget
+    else:
+        assert reason is not None and "infeasible" in reason and kept == set()
+    gm2 = _joint_like(sizes, uses[: len(sizes)])
+    kept2, _, _ = choose_kept(gm2, gather_groups(gm2, memory.backward_nodes(gm2)), budget)
+    assert kept2 == kept

@@ -1,0 +1,183 @@
+"""schedule_prefetch on hand-built fwd/bwd-like graphs (exact positions) and on
+random graphs (hypothesis: semantics, rank determinism, memory budget)."""
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _graphs import gather, reduce_scatter, run_pass, trace, world1_group
+
+from graphcomp import memory
+from graphcomp.graph_utils import is_target
+from graphcomp.passes.schedule_free import is_post_op
+
+c10d = torch.ops._c10d_functional
+AG, RS, WAIT = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default
+W_BYTES = 8 * 8 * 4  # one gathered weight
+
+
+def _layers(n, world=2, group="g"):
+    """n layers ``x = tanh(x @ w_i)``: 2 compute nodes (mm, tanh) per layer."""
+
+    def f(x, *shards):
+        for s in shards:
+            x = torch.tanh(x @ gather(s, world, group, shape=(8, 8)))
+        return x
+
+    return trace(f, torch.randn(2, 8), *[torch.randn(8 // world, 8) for _ in range(n)])
+
+
+def _is_compute(n):
+    return n.op == "call_function" and not (is_target(n, AG, RS, WAIT) or is_post_op(n))
+
+
+def _ahead(gm):
+    """For each gather: compute nodes between it and its wait, in graph order."""
+    nodes = list(gm.graph.nodes)
+    out = []
+    for i, n in enumerate(nodes):
+        if is_target(n, AG):
+            w = next(iter(n.users))
+            out.append(sum(_is_compute(m) for m in nodes[i + 1 : nodes.index(w)]))
+    return out
+
+
+def _waits_right_before_first_use(gm):
+    nodes = list(gm.graph.nodes)
+    for i, n in enumerate(nodes):
+        if is_target(n, WAIT) and is_target(n.args[0], AG):
+            j = i + 1
+            while is_post_op(nodes[j]) or is_target(nodes[j], AG):  # the next gather may be issued here
+                j += 1
+            chain = {n} | {m for m in nodes[i + 1 : j]}
+            assert any(a in chain for a in nodes[j].all_input_nodes), f"{n.name} is not right before its first use"
+
+
+def test_one_gather_in_flight_moves_each_gather_one_layer_ahead():
+    gm, rec = run_pass("schedule_prefetch", _layers(4), stage="fwd", prefetch_bytes=W_BYTES)
+    assert _ahead(gm) == [0, 2, 2, 2]  # gather k is issued as soon as gather k-1 was waited
+    assert rec.counts["max_inflight_bytes"] == W_BYTES
+    _waits_right_before_first_use(gm)
+
+
+def test_two_gathers_in_flight():
+    gm, rec = run_pass("schedule_prefetch", _layers(4), stage="fwd", prefetch_bytes=2 * W_BYTES)
+    assert _ahead(gm) == [0, 2, 4, 4]  # the first two start together at the top
+    assert rec.counts["max_inflight_bytes"] == 2 * W_BYTES
+
+
+def test_zero_prefetch_and_oversized_gather_stay_at_use():
+    for cap in (0, W_BYTES - 1):
+        gm, rec = run_pass("schedule_prefetch", _layers(3), stage="fwd", prefetch_bytes=cap)
+        assert _ahead(gm) == [0, 0, 0]
+        _waits_right_before_first_use(gm)
+
+
+def test_memory_budget_bounds_prefetch():
+    gm0 = _layers(4)
+    peak0 = memory.estimate(gm0).peak_bytes
+    gm, rec = run_pass("schedule_prefetch", gm0, stage="fwd", prefetch_bytes=10**9, memory_budget=peak0)
+    assert rec.counts["limited_by_budget"] > 0 or rec.counts["max_inflight_bytes"] <= W_BYTES
+    assert memory.estimate(gm).peak_bytes <= peak0
+    free, _ = run_pass("schedule_prefetch", _layers(4), stage="fwd", prefetch_bytes=10**9)
+    assert sum(_ahead(free)) > sum(_ahead(gm))
+
+
+def test_reduce_scatter_issued_at_input_and_waited_last():
+    def f(x, g1, g2):
+        r1 = reduce_scatter(g1 * 2, 2, "g")  # ready early
+        y = x
+        for _ in range(3):
+            y = torch.tanh(y @ y)
+        r2 = reduce_scatter(g2 * y.sum(), 2, "g")
+        return y, r1 / 2, r2 / 2
+
+    gm = trace(f, torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+    gm, rec = run_pass("schedule_prefetch", gm, stage="bwd")
+    names = [n for n in gm.graph.nodes]
+    rs = [n for n in names if is_target(n, RS)]
+    waits = [next(iter(r.users)) for r in rs]
+    assert names.index(rs[0]) == names.index(rs[0].args[0]) + 1  # right after its input (mul)
+    out = names[-1]
+    # both waits (and the divisions they feed) come after all other compute
+    last_compute = max(i for i, n in enumerate(names) if n.target in (torch.ops.aten.tanh.default, torch.ops.aten.mm.default))
+    assert all(names.index(w) > last_compute for w in waits)
+    assert out.op == "output"
+
+
+def test_no_collective_is_a_noop():
+    gm = trace(lambda x: torch.tanh(x) * 2, torch.randn(3))
+    code = gm.code
+    gm, rec = run_pass("schedule_prefetch", gm, stage="fwd")
+    assert gm.code == code and "no all_gather" in rec.reason
+
+
+# ------------------------------------------------------------------ properties
+_OPS = st.lists(st.sampled_from(["layer", "act", "rs", "layer2"]), min_size=1, max_size=10)
+
+
+def _random_graph(spec, group):
+    """A graph from a spec: 'layer' gathers a new weight and applies it, 'layer2'
+    reuses the previous weight (two uses), 'act' is elementwise compute, 'rs'
+    reduce-scatters an intermediate (world 1: real collectives on ``group``)."""
+    n_w = sum(op == "layer" for op in spec) + 1
+
+    def f(x, *shards):
+        it = iter(shards)
+        w = gather(next(it), 1, group, shape=(4, 4))
+        outs = []
+        for op in spec:
+            if op == "layer":
+                w = gather(next(it), 1, group, shape=(4, 4))
+                x = torch.tanh(x @ w)
+            elif op == "layer2":
+                x = x @ w.t() + 1
+            elif op == "act":
+                x = x * 1.5 - 0.25
+            else:
+                outs.append(reduce_scatter(x * 2, 1, group) / 3)
+        return x, *outs
+
+    g = torch.Generator().manual_seed(len(spec))
+    args = [torch.randn(2, 4, generator=g)] + [torch.randn(4, 4, generator=g) for _ in range(n_w)]
+    return trace(f, *args), args
+
+
+def _collective_order(gm):
+    return [(str(n.target), tuple(n.meta["val"].shape)) for n in gm.graph.nodes if is_target(n, AG, RS)]
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=_OPS, cap=st.sampled_from([0, 64, 128, 200, 10**6]), budget_frac=st.sampled_from([None, 1.0, 1.3]))
+def test_property_semantics_determinism_budget(spec, cap, budget_frac):
+    with world1_group() as group:
+        gm, args = _random_graph(spec, group)
+        ref = gm(*args)
+        peak0 = memory.estimate(gm).peak_bytes
+        opts = {"prefetch_bytes": cap}
+        if budget_frac is not None:
+            opts["memory_budget"] = int(peak0 * budget_frac)
+        gm, _ = run_pass("schedule_prefetch", gm, stage="fwd", **opts)
+        out = gm(*args)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)  # moving nodes never changes values
+        if budget_frac is not None:  # the original order is feasible: the schedule stays under the budget
+            assert memory.estimate(gm).peak_bytes <= opts["memory_budget"]
+        gm2, _ = _random_graph(spec, group)  # another "rank" tracing the same program
+        gm2, _ = run_pass("schedule_prefetch", gm2, stage="fwd", **opts)
+    assert _collective_order(gm) == _collective_order(gm2)
+    assert [n.name for n in gm.graph.nodes] == [n.name for n in gm2.graph.nodes]
+
+
+def test_reduce_scatter_inputs_in_flight_are_capped():
+    def f(x, g1, g2):
+        r1 = reduce_scatter(g1 * 2, 2, "g")
+        y = torch.tanh(x @ x)
+        r2 = reduce_scatter(g2 * y.sum(), 2, "g")
+        return y, r1 / 2, r2 / 2
+
+    gm = trace(f, torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+    gm, rec = run_pass("schedule_prefetch", gm, stage="bwd", prefetch_bytes=64)  # one 64-byte input in flight
+    nodes = list(gm.graph.nodes)
+    rs = [n for n in nodes if is_target(n, RS)]
+    w1 = next(iter(rs[0].users))
+    assert nodes.index(w1) < nodes.index(rs[1]) and rec.counts["rs_waited_early"] == 1

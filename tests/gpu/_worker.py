@@ -1,0 +1,135 @@
+"""GPU worker for tests/gpu: ``torchrun --nproc-per-node N tests/gpu/_worker.py SCENARIO OUTDIR``.
+
+Each rank writes ``OUTDIR/<scenario>.rank<R>.json``. Scenarios:
+
+* ``train``   : sharded Llama, 20 steps CUDA graphs off vs on (bitwise), peak memory
+                off vs on, loss of step N read after step N+1, 2 micro-batches
+                (two forwards, one backward) vs the same with graphs off;
+                graphcomp.runtime.teardown() then destroy_process_group.
+* ``exit``    : captures graphs with collectives and calls destroy_process_group
+                WITHOUT teardown (the wrapped destroy / atexit must release them);
+                the parent checks the process exits in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(k, v)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import graphcomp  # noqa: E402
+from graphcomp.models import Llama, synthetic_batch  # noqa: E402
+
+STEPS = 20
+
+
+def _model(preset: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = Llama(preset).cuda()
+    m.reset_parameters(seed=seed)
+    graphcomp.shard(m)
+    return m
+
+
+def _train(preset, options, steps, batch, seq, micro=1):
+    torch._dynamo.reset()
+    m = _model(preset)
+    cm = torch.compile(m, backend="graphcomp", options=options)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    rank = dist.get_rank()
+    losses = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        if micro == 1:
+            tok, tgt = synthetic_batch(m.cfg, batch, seq, seed=1000 * rank + step, device="cuda")
+            loss = cm(tok, tgt)
+            loss.backward()
+        else:  # two forwards, then one backward of the summed losses
+            ls = []
+            for k in range(micro):
+                tok, tgt = synthetic_batch(m.cfg, batch, seq, seed=1000 * rank + 10 * step + k, device="cuda")
+                ls.append(cm(tok, tgt))
+            loss = sum(ls)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=(step % 2 == 0))
+        losses.append(loss.detach())  # read only at the end: step N after step N+1
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    params = [p.detach().clone() for p in m.parameters()]
+    return {
+        "losses": [float(x) for x in losses],
+        "loss_bits": [int(x.view(torch.int32).item()) for x in torch.stack(losses).float()],
+        "peak": peak,
+        "seconds": time.perf_counter() - t0,
+        "params": params,
+        "counters": {k: v for k, v in graphcomp.counters.items() if not k.startswith("bytes")},
+    }
+
+
+def scenario_train(out):
+    preset = os.environ.get("GC_PRESET", "tiny")
+    res = {}
+    graphcomp.reset()
+    off = _train(preset, {"codegen": "eager", "cudagraphs": "off"}, STEPS, 4, 64)
+    graphcomp.reset()
+    on = _train(preset, {"codegen": "eager", "cudagraphs": "auto"}, STEPS, 4, 64)
+    res["bitwise_losses"] = off["loss_bits"] == on["loss_bits"]
+    res["bitwise_params"] = all(torch.equal(a, b) for a, b in zip(off["params"], on["params"]))
+    res["losses_off"], res["losses_on"] = off["losses"], on["losses"]
+    res["distinct_losses"] = len(set(on["losses"])) == len(on["losses"])
+    res["counters_on"] = on["counters"]
+    res["peak_off"], res["peak_on"] = off["peak"], on["peak"]
+    res["seconds_off"], res["seconds_on"] = off["seconds"], on["seconds"]
+    # gradient accumulation: two forwards before one backward
+    graphcomp.reset()
+    acc_off = _train(preset, {"codegen": "eager", "cudagraphs": "off"}, 4, 2, 32, micro=2)
+    graphcomp.reset()
+    acc_on = _train(preset, {"codegen": "eager", "cudagraphs": "auto"}, 4, 2, 32, micro=2)
+    res["accum_losses_equal"] = acc_off["loss_bits"] == acc_on["loss_bits"]
+    res["accum_params_equal"] = all(torch.equal(a, b) for a, b in zip(acc_off["params"], acc_on["params"]))
+    res["accum_counters"] = acc_on["counters"]
+    # memory on a bigger model (demo preset) so fixed overheads do not dominate
+    graphcomp.reset()
+    moff = _train("demo", {"codegen": "eager", "cudagraphs": "off"}, 3, 8, 128)
+    graphcomp.reset()
+    mon = _train("demo", {"codegen": "eager", "cudagraphs": "auto"}, 3, 8, 128)
+    res["mem_peak_off"], res["mem_peak_on"] = moff["peak"], mon["peak"]
+    res["mem_ratio"] = mon["peak"] / max(moff["peak"], 1)
+    released = graphcomp.runtime.teardown()
+    res["released"] = released
+    return res
+
+
+def scenario_exit(out):
+    graphcomp.reset()
+    r = _train("tiny", {"codegen": "eager", "cudagraphs": "auto"}, 3, 2, 32)
+    return {"captures": r["counters"].get("captures", 0)}
+
+
+def main():
+    scenario, outdir = sys.argv[1], sys.argv[2]
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    res = {"train": scenario_train, "exit": scenario_exit}[scenario](outdir)
+    res["world"] = dist.get_world_size()
+    with open(os.path.join(outdir, f"{scenario}.rank{rank}.json"), "w") as f:
+        json.dump(res, f, default=str)
+    if scenario == "train":
+        graphcomp.runtime.teardown()  # always before destroy_process_group
+    dist.destroy_process_group()  # "exit": graphs still alive here; the wrapped destroy releases them
+
+
+if __name__ == "__main__":
+    main()
