@@ -338,3 +338,18 @@ def wrap_destroy_process_group() -> bool:
         c10d_mod.destroy_process_group = destroy_process_group
     _DESTROY_WRAPPED = True
     return True
+
+
+def mark_outputs_user_visible(gm: fx.GraphModule) -> None:
+    """Make Inductor keep the traced strides of every output of ``gm``.
+
+    Inductor keeps an output's strides only when its index is in the output node's
+    ``user_visible_output_idxs`` (``_inductor/graph.py`` get_user_visible_output_strides,
+    same in 2.11 and 2.13); other outputs may come back in any layout. A whole
+    stage graph is safe without it (AOTAutograd re-strides the backward's inputs
+    from the forward's reported strides), but a piece of a split graph feeds
+    another piece compiled against the traced strides: a different layout there
+    would be read wrongly."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    rets = out.args[0] if isinstance(out.args[0], (list, tuple)) else (out.args[0],)
+    out.meta["user_visible_output_idxs"] = [i for i, r in enumerate(rets) if isinstance(r, fx.Node)]

@@ -154,6 +154,8 @@ class FrameCompiler:
                 kw = dict(kwargs)
                 kw["static_input_idxs"] = static_idxs
                 kw["cudagraphs"] = _compat.boxed_false()  # graphcomp's runners own capture
+                # pieces feed each other with the traced layouts: Inductor must keep them
+                _compat.mark_outputs_user_visible(piece)
                 return _compat.compile_fx_inner_filtered(piece, ins, **kw)
         else:
             def compile_piece(piece: fx.GraphModule, ins: list[Any], static_idxs: list[int]) -> Any:

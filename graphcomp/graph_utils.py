@@ -87,6 +87,11 @@ def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
     (output bytes for gathers, input bytes for reductions) and bucket id."""
     out = []
     for n in gm.graph.nodes:
+        if n.op == "call_module":  # a piece of a split graph (partition_graph)
+            sub = gm.get_submodule(str(n.target))
+            if isinstance(sub, fx.GraphModule):
+                out.extend(collectives(sub))
+            continue
         kind = collective_kind(n)
         if kind is None:
             continue

@@ -135,3 +135,17 @@ def test_bucket_layout_matches_unbucketed_gathers_for_world_2():
     for r in range(world):
         expect = torch.cat([g.view(world, -1)[r] for g in grads])
         torch.testing.assert_close(per_rank[r], expect, rtol=0, atol=0)
+
+
+def test_collectives_are_found_inside_split_pieces():
+    from torch.fx.passes.split_module import split_module
+
+    from graphcomp.graph_utils import collectives
+
+    gm = _layers(3)
+    n_before = len(collectives(gm))
+    nodes = list(gm.graph.nodes)
+    cut = {n: (0 if i < len(nodes) // 2 else 1) for i, n in enumerate(nodes)}
+    split = split_module(gm, None, lambda n: cut[n], keep_original_order=True)
+    assert any(n.op == "call_module" for n in split.graph.nodes)
+    assert len(collectives(split)) == n_before == 3
