@@ -142,9 +142,16 @@ def make_joint_hook(fn: Callable[[fx.GraphModule], fx.GraphModule], uuid: str) -
 
 
 @contextlib.contextmanager
-def inductor_patches(joint_hook: Any) -> Iterator[None]:
+def inductor_patches(joint_hook: Any, *, no_donated_buffers: bool = False) -> Iterator[None]:
     """Install our joint hook and switch off the AOTAutograd cache (a cache hit
-    would skip our partition-time passes and our per-stage compile hook)."""
+    would skip our partition-time passes and our per-stage compile hook).
+
+    ``no_donated_buffers``: AOTAutograd "donates" saved activations to the
+    backward, and Inductor may then write into those input buffers. A CUDA-graph
+    runner executes a piece several times on the same inputs (warm-up, capture,
+    replay), so every run after the first would read clobbered inputs (seen on 2
+    H200s: wrong first-step gradients, 1.2e-2 parameter error). Off when graphcomp
+    captures."""
     import torch._functorch.config as fconfig
     import torch._inductor.config as iconfig
 
@@ -152,6 +159,8 @@ def inductor_patches(joint_hook: Any) -> Iterator[None]:
     fpatches: dict[str, Any] = {}
     if hasattr(fconfig, "enable_autograd_cache"):
         fpatches["enable_autograd_cache"] = False
+    if no_donated_buffers and hasattr(fconfig, "donated_buffer"):
+        fpatches["donated_buffer"] = False
     with iconfig.patch(patches), fconfig.patch(fpatches):
         yield
 

@@ -192,7 +192,8 @@ class FrameCompiler:
             if self.cfg.codegen == "inductor":
                 uuid = hashlib.sha256(json.dumps(self.cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()
                 hook = _compat.make_joint_hook(self.joint_hook, f"graphcomp-{uuid}")
-                with _compat.inductor_patches(hook):
+                captures = self.cfg.cudagraphs != "off" and self.cfg.pass_enabled("cudagraphs")
+                with _compat.inductor_patches(hook, no_donated_buffers=captures):
                     return _compat.inductor_compile_fx(gm, example_inputs, inner_compile=self.inner_compile)
             backend = _compat.aot_autograd(
                 fw_compiler=self.eager_compiler("fwd"),
