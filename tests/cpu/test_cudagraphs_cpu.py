@@ -297,7 +297,12 @@ def pretend_cuda(monkeypatch):
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])
 def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
     ref, m = ItemModel(), ItemModel()
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen, "min_piece_nodes": 1})
+    if codegen == "inductor":  # disabled until the GPU wrong-gradient bug is fixed (config.py)
+        cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen, "cudagraphs": "auto"})
+        with pytest.raises(Exception, match=r"cudagraphs: 'auto' with codegen='inductor' is disabled"):
+            cm(torch.randn(4, 8))
+        return
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen, "min_piece_nodes": 1, "cudagraphs": "auto"})
     opt_r = torch.optim.SGD(ref.parameters(), lr=1e-4)
     opt_m = torch.optim.SGD(m.parameters(), lr=1e-4)
     tol = dict(rtol=1e-4, atol=1e-4) if codegen == "inductor" else dict(rtol=1e-5, atol=1e-6)
@@ -331,7 +336,7 @@ def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
 
 def test_end_to_end_two_microbatches_accumulate(pretend_cuda):
     ref, m = ItemModel(), ItemModel()
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "min_piece_nodes": 1})
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "min_piece_nodes": 1, "cudagraphs": "auto"})
     for step in range(3):
         xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + k)) for k in range(2)]
         # two forwards before one backward (losses summed)

@@ -60,13 +60,13 @@ def _item_train(options, steps=6):
     return torch.stack(losses), [p.detach().clone() for p in m.parameters()]
 
 
-@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+@pytest.mark.parametrize("codegen", ["eager"])
 def test_item_model_is_partitioned_and_correct(codegen):
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         ref_l, ref_p = _item_train(None)
         torch._dynamo.reset()
         graphcomp.reset()
-        l, p = _item_train({"codegen": codegen, "min_piece_nodes": 1})
+        l, p = _item_train({"codegen": codegen, "min_piece_nodes": 1, "cudagraphs": "auto"})
     tol = dict(rtol=1e-4, atol=1e-5)  # vs plain eager PyTorch (decomposed aten / fused kernels)
     torch.testing.assert_close(l, ref_l, **tol)
     for a, b in zip(p, ref_p):
@@ -91,7 +91,7 @@ def test_require_raises_for_item_model():
 def test_changed_static_address_is_caught():
     torch.manual_seed(0)
     m = TinyMLP().cuda()
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "check_static_inputs": "always"})
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "check_static_inputs": "always", "cudagraphs": "auto"})
     x = torch.randn(8, 16, device="cuda")
     for _ in range(3):
         cm(x).sum().backward()
@@ -105,7 +105,8 @@ def test_changed_static_address_recaptures_when_asked():
     torch.manual_seed(0)
     m = TinyMLP().cuda()
     cm = torch.compile(m, backend="graphcomp",
-                       options={"codegen": "eager", "check_static_inputs": "always", "on_address_change": "recapture"})
+                       options={"codegen": "eager", "check_static_inputs": "always", "on_address_change": "recapture",
+                                "cudagraphs": "auto"})
     x = torch.randn(8, 16, device="cuda")
     cm(x).sum().backward()
     cm(x).sum().backward()
@@ -119,22 +120,28 @@ def test_changed_static_address_recaptures_when_asked():
 def test_loss_of_step_n_keeps_its_value_and_shapes_capture_once_each():
     torch.manual_seed(0)
     m = TinyMLP().cuda()
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "max_captures": 2})
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "max_captures": 2, "cudagraphs": "auto"})
     xs = [torch.randn(8, 16, device="cuda") for _ in range(3)]
     outs = [cm(x) for x in xs]  # no backward: inference-style outputs, held across calls
     for x, o in zip(xs, outs):
         torch.testing.assert_close(o, m(x), rtol=0, atol=0)
 
 
-def test_inductor_does_not_capture_itself():
+def test_inductor_codegen_runs_without_capture_by_default():
+    """CUDA graphs with Inductor-compiled pieces are disabled (wrong gradients on the
+    tiny Llama, 2026-11-22): the default never captures, and asking is a ValueError."""
     torch.manual_seed(0)
     m = TinyMLP().cuda()
     cm = torch.compile(m, backend="graphcomp", options={"codegen": "inductor"})
     x = torch.randn(8, 16, device="cuda")
     for _ in range(3):
         cm(x).sum().backward()
-    assert graphcomp.counters["captures"] >= 2 and graphcomp.counters["replays"] >= 4
+    assert graphcomp.counters["captures"] == 0 and graphcomp.counters["replays"] == 0
     torch.testing.assert_close(cm(x), m(x), rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+    bad = torch.compile(m, backend="graphcomp", options={"codegen": "inductor", "cudagraphs": "auto"})
+    with pytest.raises(Exception, match="is disabled"):
+        bad(x)
 
 
 # ------------------------------------------------------------ torchrun (1 / 2 GPUs)
