@@ -113,6 +113,11 @@ def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
     return out
 
 
+def has_cuda_tensors(gm: fx.GraphModule) -> bool:
+    """True when any node's value (``meta['val']``) is a CUDA tensor."""
+    return any(t.device.type == "cuda" for n in gm.graph.nodes for t in _vals(n.meta.get("val")))
+
+
 def collective_bytes_by_dtype(colls: list[dict[str, Any]], kind: str | None = None) -> dict[str, int]:
     acc: dict[str, int] = collections.defaultdict(int)
     for c in colls:

@@ -154,12 +154,7 @@ def uncapturable_reason(node: fx.Node, split_ops: Sequence[str] = ()) -> SplitRe
     return None
 
 
-def has_cuda_tensors(gm: fx.GraphModule) -> bool:
-    for n in gm.graph.nodes:
-        for t in _tensors(n.meta.get("val")):
-            if t.device.type == "cuda":
-                return True
-    return False
+has_cuda_tensors = graph_utils.has_cuda_tensors
 
 
 def _wait_of(node: fx.Node) -> list[fx.Node]:

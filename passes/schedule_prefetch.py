@@ -233,10 +233,21 @@ reorder = gu.priority_topo_sort
 _BEFORE = tuple(n for n in ("partition_graph",) if n in pipeline._REGISTRY)
 
 
+# frame_data key that makes the pass reorder CPU graphs too (unit tests of the reordering)
+CPU_OVERRIDE = "schedule_prefetch_on_cpu"
+
+
 @register_pass("schedule_prefetch", stages=("fwd", "bwd"), before=_BEFORE)
 def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not any(gu.collective_kind(n) in ("all_gather", "reduce_scatter") for n in gm.graph.nodes):
         ctx.nothing("no all_gather / reduce_scatter in the graph")
+        return gm
+    if not gu.has_cuda_tensors(gm) and not ctx.frame_data.get(CPU_OVERRIDE):
+        # CPU (gloo): no compute/communication overlap to gain. And with several
+        # gloo collectives in flight, multi-rank CPU training crashed intermittently
+        # (SIGSEGV / SIGABRT in backward, 2026-11-22; not yet root-caused), so
+        # collectives stay waited where they are.
+        ctx.nothing("CPU graph (gloo): collectives stay waited in place (no overlap to gain on the CPU)")
         return gm
     budget = memory.resolve_budget(ctx.config.memory_budget, gm)
     original = {n: (i,) for i, n in enumerate(gm.graph.nodes)}

@@ -42,7 +42,8 @@ def reduce_scatter(g, world, group):
 
 def run_pass(name, gm, stage="joint", **options):
     cfg = Config.from_options(options)
-    ctx = PassContext(config=cfg, frame_id=0, stage=stage)
+    # hand-built graphs are CPU graphs: test the reordering passes on them anyway
+    ctx = PassContext(config=cfg, frame_id=0, stage=stage, frame_data={"schedule_prefetch_on_cpu": True})
     from graphcomp.pipeline import PassRecord
 
     ctx.record = PassRecord(name=name, stage=stage, enabled=True)

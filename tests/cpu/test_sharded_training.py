@@ -178,4 +178,6 @@ def test_bf16_schedule_policies_are_bitwise_equal(ranks2):
             for k in bp:
                 torch.testing.assert_close(params[k], bp[k], rtol=0, atol=0, msg=lambda m, k=k: f"{name} {k}: {m}")
     c = base[0][2]
-    assert c["pass:schedule_prefetch:changed"] > 0 and c["gathers_resharded"] > 0
+    # schedule_free resharded; schedule_prefetch leaves CPU (gloo) graphs alone
+    # (passes/schedule_prefetch.py) and is exercised on hand-built graphs instead
+    assert c["gathers_resharded"] > 0 and c.get("pass:schedule_prefetch:changed", 0) == 0
