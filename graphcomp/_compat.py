@@ -265,32 +265,30 @@ def compile_fx_inner_filtered(gm: fx.GraphModule, example_inputs: Sequence[Any],
     return _cfx.compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def fw_static_input_indices() -> list[int] | None:
-    """AOT's ``fw_metadata.static_input_indices`` (parameters, buffers) from the
-    current TracingContext, or None outside one."""
+def _fw_metadata_attr(name: str) -> Any:
+    """An attribute of AOTAutograd's ``fw_metadata`` in the current TracingContext,
+    or None outside one."""
     try:
         from torch._guards import TracingContext
 
         tc = TracingContext.try_get()
         md = getattr(tc, "fw_metadata", None) if tc is not None else None
-        idx = getattr(md, "static_input_indices", None)
-        return list(idx) if idx is not None else None
+        return getattr(md, name, None)
     except Exception:
         return None
+
+
+def fw_static_input_indices() -> list[int] | None:
+    """AOT's ``fw_metadata.static_input_indices`` (parameters, buffers), or None."""
+    idx = _fw_metadata_attr("static_input_indices")
+    return list(idx) if idx is not None else None
 
 
 def fw_num_user_outputs() -> int | None:
     """Number of forward outputs handed back to user code (mutated inputs + user
     outputs: ``fw_metadata.num_forward_returns``), or None outside AOTAutograd."""
-    try:
-        from torch._guards import TracingContext
-
-        tc = TracingContext.try_get()
-        md = getattr(tc, "fw_metadata", None) if tc is not None else None
-        n = getattr(md, "num_forward_returns", None)
-        return int(n) if n is not None else None
-    except Exception:
-        return None
+    n = _fw_metadata_attr("num_forward_returns")
+    return int(n) if n is not None else None
 
 
 def count_tangents(gm: fx.GraphModule) -> int:

@@ -67,7 +67,8 @@ def tensor_meta(node: fx.Node) -> Any:
     return node.meta.get("val", node.meta.get("tensor_meta"))
 
 
-def _vals(v: Any) -> list[torch.Tensor]:
+def tensor_values(v: Any) -> list[torch.Tensor]:
+    """The tensors in a node value (a tensor, or a list/tuple of values)."""
     if isinstance(v, torch.Tensor):
         return [v]
     if isinstance(v, (list, tuple)):
@@ -95,9 +96,9 @@ def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
         kind = collective_kind(n)
         if kind is None:
             continue
-        outs = _vals(tensor_meta(n))
-        ins = [a for a in n.all_input_nodes if _vals(tensor_meta(a))]
-        src = outs if kind == "all_gather" else [t for a in ins for t in _vals(tensor_meta(a))]
+        outs = tensor_values(tensor_meta(n))
+        ins = [a for a in n.all_input_nodes if tensor_values(tensor_meta(a))]
+        src = outs if kind == "all_gather" else [t for a in ins for t in tensor_values(tensor_meta(a))]
         dtype = str(src[0].dtype).replace("torch.", "") if src else "?"
         out.append(
             {
@@ -115,7 +116,7 @@ def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
 
 def has_cuda_tensors(gm: fx.GraphModule) -> bool:
     """True when any node's value (``meta['val']``) is a CUDA tensor."""
-    return any(t.device.type == "cuda" for n in gm.graph.nodes for t in _vals(n.meta.get("val")))
+    return any(t.device.type == "cuda" for n in gm.graph.nodes for t in tensor_values(n.meta.get("val")))
 
 
 def collective_bytes_by_dtype(colls: list[dict[str, Any]], kind: str | None = None) -> dict[str, int]:
@@ -236,7 +237,7 @@ def fake_mode_of(gm: fx.GraphModule) -> Any:
 
     for n in gm.graph.nodes:
         v = n.meta.get("val")
-        for t in _vals(v):
+        for t in tensor_values(v):
             if isinstance(t, FakeTensor):
                 return t.fake_mode
     return None

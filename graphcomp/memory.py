@@ -48,7 +48,7 @@ class MemoryEstimate:
 
 def value_bytes(node: fx.Node) -> int:
     """Bytes of the node's output(s) from ``meta['val']`` (0 if unknown)."""
-    return sum(max(gu.nbytes(t), 0) for t in gu._vals(gu.tensor_meta(node)))
+    return sum(max(gu.nbytes(t), 0) for t in gu.tensor_values(gu.tensor_meta(node)))
 
 
 def is_alias(node: fx.Node) -> bool:
@@ -160,7 +160,7 @@ def estimate(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.No
 
 def graph_device(gm: fx.GraphModule) -> torch.device | None:
     for n in gm.graph.nodes:
-        for t in gu._vals(gu.tensor_meta(n)):
+        for t in gu.tensor_values(gu.tensor_meta(n)):
             return t.device
     return None
 

@@ -71,16 +71,6 @@ _COPY_NAMES = {"_to_copy", "copy_", "copy", "_copy_from", "_copy_from_and_resize
 _RNG_STATE_NAMES = {"get_rng_state", "set_rng_state", "seed", "manual_seed", "initial_seed"}
 
 
-def _vals(v: Any) -> list[Any]:
-    if isinstance(v, (list, tuple)):
-        return [x for x in v]
-    return [v]
-
-
-def _tensors(v: Any) -> list[torch.Tensor]:
-    return [t for t in _vals(v) if isinstance(t, torch.Tensor)]
-
-
 def _short_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name.split("::")[-1]
@@ -134,8 +124,8 @@ def uncapturable_reason(node: fx.Node, split_ops: Sequence[str] = ()) -> SplitRe
         if torch.Tag.nondeterministic_seeded in tags and node.kwargs.get("generator") is not None:
             return SplitReason(name, "rng", f"{opn} uses an explicit generator (not registered with the graph)")
     # devices: copies between devices, then CPU tensors anywhere
-    out_t = _tensors(node.meta.get("val"))
-    in_t = [t for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))]
+    out_t = graph_utils.tensor_values(node.meta.get("val"))
+    in_t = [t for a in node.all_input_nodes for t in graph_utils.tensor_values(a.meta.get("val"))]
     devs_in = {t.device.type for t in in_t}
     devs_out = {t.device.type for t in out_t}
     copy_op = _short_name(target) in _COPY_NAMES
