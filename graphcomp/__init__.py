@@ -24,8 +24,13 @@ counters = _STATE.counters
 
 
 def reset() -> None:
-    """Clear counters, frame ids and recorded frame summaries."""
+    """Clear counters, frame ids and recorded frame summaries, and tear down the
+    CUDA-graph runtime (every captured graph released, a fresh pool and capture
+    stream on next use). Functions compiled before keep working, eagerly."""
+    from .runtime import manager as _manager
+
     _STATE.reset()
+    _manager.reset()
 
 
 def backend(gm, example_inputs, **kwargs):  # noqa: ANN001 - Dynamo's backend signature

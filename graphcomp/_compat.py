@@ -165,6 +165,25 @@ def inductor_patches(joint_hook: Any, *, no_donated_buffers: bool = False) -> It
         yield
 
 
+@contextlib.contextmanager
+def inductor_cache_key(joint_hook: Any) -> Iterator[None]:
+    """Keep our joint hook installed while a stage graph is compiled.
+
+    Inductor's FX-graph cache hashes the installed custom passes' uuids into its
+    key, but AOTAutograd compiles the backward lazily, at the first backward, long
+    after ``inductor_patches`` has exited: without this the backward's key would
+    carry no graphcomp id at all. That key also omits AOTAutograd's donated-buffer
+    indices, so an identical backward once compiled with donation (by
+    ``backend="inductor"``, or by graphcomp without CUDA graphs) would be served to
+    a CUDA-graph piece, which runs several times on the same saved activations
+    (seen on H200s: 9.7e-3 parameter error after 10 steps of the tiny Llama). The
+    hook never runs here: the joint passes ran before partitioning."""
+    import torch._inductor.config as iconfig
+
+    with iconfig.patch({"joint_custom_pre_pass": joint_hook}):
+        yield
+
+
 def inductor_decompositions() -> dict[Any, Any]:
     from torch._inductor.decomposition import select_decomp_table
 

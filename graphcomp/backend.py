@@ -17,6 +17,7 @@ forward passes under ``fwd``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -51,6 +52,7 @@ class FrameCompiler:
         self.rank, self.world_size = _rank_world()
         self.dumper = dump.Dumper(cfg.dump_dir, self.rank, self.frame_id)
         self.frame_data: dict[str, Any] = {}
+        self.joint_hook_obj: Any = None
         self.recompile = _compat.is_recompile()
         self.summary: dict[str, Any] = {
             "frame": self.frame_id,
@@ -118,9 +120,10 @@ class FrameCompiler:
         stage = "bwd" if kwargs.get("is_backward") else "fwd"
         self._stage_inputs(stage, gm, list(kwargs.get("static_input_idxs") or ()), kwargs.get("is_inference", False))
         gm = self.run(stage, gm, example_inputs)
-        if "graphcomp_pieces" in gm.meta:
-            return self.compile_pieces(stage, gm, kwargs)
-        return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+        with _compat.inductor_cache_key(self.joint_hook_obj):
+            if "graphcomp_pieces" in gm.meta:
+                return self.compile_pieces(stage, gm, kwargs)
+            return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
 
     # ------------------------------------------------- split graphs (cudagraphs)
     def _stage_inputs(self, stage: str, gm: fx.GraphModule, static_idxs: list[int], inference: bool) -> None:
@@ -190,9 +193,9 @@ class FrameCompiler:
         t0 = time.perf_counter()
         try:
             if self.cfg.codegen == "inductor":
-                uuid = hashlib.sha256(json.dumps(self.cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()
-                hook = _compat.make_joint_hook(self.joint_hook, f"graphcomp-{uuid}")
                 captures = self.cfg.cudagraphs != "off" and self.cfg.pass_enabled("cudagraphs")
+                hook = _compat.make_joint_hook(self.joint_hook, cache_uuid(self.cfg, captures))
+                self.joint_hook_obj = hook  # re-installed around every stage compile (cache key)
                 with _compat.inductor_patches(hook, no_donated_buffers=captures):
                     return _compat.inductor_compile_fx(gm, example_inputs, inner_compile=self.inner_compile)
             backend = _compat.aot_autograd(
@@ -206,6 +209,35 @@ class FrameCompiler:
         finally:
             self.summary["compile_seconds"] = time.perf_counter() - t0
             self._flush()
+
+
+@functools.lru_cache(None)
+def _source_digest() -> str:
+    """sha256 of graphcomp's own source (package and passes)."""
+    import pathlib
+
+    from . import passes as _passes_pkg  # (its sources live in ./passes)
+
+    h = hashlib.sha256()
+    roots = [pathlib.Path(__file__).parent, pathlib.Path(_passes_pkg.__file__).parent]
+    for root in roots:
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def cache_uuid(cfg: Config, captures: bool) -> str:
+    """The id of our joint hook, which Inductor's FX-graph cache hashes into its key.
+
+    It covers the config, graphcomp's source, and whether AOTAutograd donated
+    buffers are off. The last matters: the cache key does not include the donated
+    buffer indices, so without it a backward compiled with donation (buffers
+    Inductor may overwrite) would be served to a CUDA-graph piece that runs several
+    times on the same saved activations, giving wrong first-step gradients."""
+    blob = json.dumps({"config": cfg.to_json(), "source": _source_digest(), "no_donated_buffers": captures},
+                      sort_keys=True, default=str)
+    return "graphcomp-" + hashlib.sha256(blob.encode()).hexdigest()
 
 
 def graphcomp_backend(gm: fx.GraphModule, example_inputs: list[Any], *, options: Any = None, mode: str | None = None) -> Any:

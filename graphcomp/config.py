@@ -75,13 +75,9 @@ class Config:
     larger than the cap is not moved. Must be >= 0; 0 disables prefetching
     (waits still sink to their first use)."""
 
-    cudagraphs: CudaGraphsMode = "off"
+    cudagraphs: CudaGraphsMode = "auto"
     """CUDA-graph capture of the forward/backward graphs (passes ``partition_graph``
-    and ``cudagraphs``). Off by default, and allowed only with ``codegen="eager"``
-    for now: with Inductor-compiled pieces the runner gave wrong gradients on an
-    H200 (1e-2 parameter error after 10 steps of the tiny Llama, 2026-11-22), so
-    ``"auto"``/``"require"`` with ``codegen="inductor"`` is a ``ValueError`` until
-    that is fixed. ``"off"`` never captures (graphs run as compiled);
+    and ``cudagraphs``): ``"off"`` never captures (graphs run as compiled);
     ``"auto"`` cuts each graph at ops CUDA graphs cannot capture, captures the
     pieces that can be and runs the rest eagerly, logging each reason;
     ``"require"`` raises if any piece cannot be captured. Graphs without CUDA
@@ -176,12 +172,6 @@ class Config:
                 f"Config.passes: unknown pass name(s) {unknown}; valid passes: {sorted(valid)}"
             )
 
-        if self.cudagraphs != "off" and self.codegen == "inductor":
-            raise ValueError(
-                f"Config.cudagraphs: {self.cudagraphs!r} with codegen='inductor' is disabled: CUDA-graph replay of "
-                "Inductor-compiled pieces gave wrong gradients on GPU (known bug, see README 'CUDA graphs'); "
-                "valid: cudagraphs='off' with codegen='inductor', or cudagraphs='auto'/'require' with codegen='eager'"
-            )
         if self.cudagraphs == "require":
             off = [p for p in ("cudagraphs", "partition_graph") if p in valid and self.passes.get(p) is False]
             if off:

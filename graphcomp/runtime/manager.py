@@ -91,7 +91,10 @@ class Runtime:
             from .. import _compat
 
             _compat.wrap_destroy_process_group()
-            atexit.register(teardown)
+            global _ATEXIT_REGISTERED
+            if not _ATEXIT_REGISTERED:
+                atexit.register(teardown)
+                _ATEXIT_REGISTERED = True
             self._setup_done = True
             self.torn_down = False
 
@@ -121,7 +124,7 @@ class Runtime:
         n = 0
         for r in list(self.runners):
             try:
-                n += r.release()
+                n += r.release(final=True)
             except Exception as e:  # never let teardown fail the exit path
                 log.warning("graphcomp: releasing CUDA graphs of %s failed: %s", getattr(r, "name", r), e)
         if n:
@@ -145,6 +148,7 @@ class Runtime:
 
 
 RUNTIME = Runtime()
+_ATEXIT_REGISTERED = False
 
 
 def is_capturing() -> bool:

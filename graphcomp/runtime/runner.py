@@ -117,6 +117,7 @@ class CudaGraphRunner:
         self._static_slots: list[int] = []
         # the piece's row in the frame summary (graphcomp inspect): captures, pool bytes
         self.stats_row = stats_row if stats_row is not None else {}
+        self.released = False  # set by teardown(): from then on every call runs eagerly
         RUNTIME.ensure()
         RUNTIME.register(self)
         STATE.counters["pieces_captured"] += 1
@@ -134,11 +135,13 @@ class CudaGraphRunner:
     def _eager(self, args: Sequence[Any]) -> tuple[Any, ...]:
         return tuple(self.fn(list(args)))
 
-    def release(self) -> int:
+    def release(self, final: bool = False) -> int:
+        """Drop every capture; ``final`` (teardown) also makes later calls eager."""
         n = sum(1 for c in self.captures.values() if c.graph is not None)
         for c in self.captures.values():
             c.release()
         self.captures.clear()
+        self.released = self.released or final
         return n
 
     def stats(self) -> dict[str, Any]:
@@ -221,7 +224,7 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any) -> tuple[Any, ...]:
-        if RUNTIME.torn_down or RUNTIME.is_capturing():
+        if self.released or RUNTIME.is_capturing():
             return self._eager(args)
         sig = signature(args)
         cap = self.captures.get(sig)

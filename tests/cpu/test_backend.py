@@ -145,3 +145,44 @@ def test_graph_break_gives_two_frames_and_correct_grads():
     for p, q in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
     assert graphcomp.counters["frames_compiled"] == 2
+
+
+def test_cache_uuid_separates_configs_and_donation():
+    """Inductor's FX-graph cache key has our joint hook's uuid but not AOTAutograd's
+    donated-buffer indices: the uuid must differ when graphcomp turns donation off
+    (CUDA-graph capture), or a backward compiled with donation would be reused."""
+    from graphcomp.backend import cache_uuid
+
+    a = graphcomp.Config()
+    b = graphcomp.Config.from_options({"bucket_bytes": 1 << 20})
+    assert cache_uuid(a, True) != cache_uuid(a, False)
+    assert cache_uuid(a, True) != cache_uuid(b, True)
+    assert cache_uuid(a, True) == cache_uuid(graphcomp.Config(), True)
+    assert cache_uuid(a, False).startswith("graphcomp-")
+
+
+def test_backward_compile_keeps_graphcomp_hook_in_the_cache_key(monkeypatch):
+    """AOTAutograd compiles the backward lazily: our hook (whose uuid Inductor's
+    FX-graph cache hashes) must be installed then too, not only while the forward
+    compiles."""
+    import torch._inductor.config as iconfig
+
+    from graphcomp import _compat
+
+    seen = []
+    orig = _compat.compile_fx_inner
+
+    def spy(gm, example_inputs, **kw):
+        hook = iconfig.joint_custom_pre_pass
+        seen.append((bool(kw.get("is_backward")), hook.uuid() if hook is not None else None))
+        return orig(gm, example_inputs, **kw)
+
+    monkeypatch.setattr(_compat, "compile_fx_inner", spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = TinyMLP()
+    cm = torch.compile(m, backend="graphcomp")
+    cm(torch.randn(4, 16)).sum().backward()
+    assert sorted(b for b, _ in seen) == [False, True], seen
+    assert all(u is not None and u.startswith("graphcomp-") for _, u in seen), seen
+    assert iconfig.joint_custom_pre_pass is None  # restored after each compile

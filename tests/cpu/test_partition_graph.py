@@ -50,9 +50,6 @@ def reasons_by_node(gm, **kw):
 
 
 def ctx_for(stage="fwd", **options):
-    # capture is off by default and allowed with codegen="eager" only (config.py)
-    options.setdefault("cudagraphs", "auto")
-    options.setdefault("codegen", "eager")
     cfg = Config.from_options(options)
     ctx = PassContext(config=cfg, frame_id=0, stage=stage)
     return ctx
@@ -248,10 +245,7 @@ def test_cudagraphs_require_raises_naming_reason():
 
 def test_config_conflicts_and_validation():
     with pytest.raises(ValueError, match="Config.cudagraphs: 'require' conflicts"):
-        Config.from_options({"cudagraphs": "require", "codegen": "eager", "passes": {"cudagraphs": False}})
-    with pytest.raises(ValueError, match="Config.cudagraphs: 'auto' with codegen='inductor' is disabled"):
-        Config.from_options({"cudagraphs": "auto"})
-    assert Config.from_options({"cudagraphs": "auto", "codegen": "eager"}).cudagraphs == "auto"
+        Config.from_options({"cudagraphs": "require", "passes": {"cudagraphs": False}})
     with pytest.raises(ValueError, match="Config.cudagraphs: invalid value"):
         Config.from_options({"cudagraphs": "on"})
     with pytest.raises(ValueError, match="Config.min_piece_nodes: must be >= 1"):

@@ -2,7 +2,8 @@
 
 Each rank writes ``OUTDIR/<scenario>.rank<R>.json``. Scenarios:
 
-* ``train``   : sharded Llama, 20 steps CUDA graphs off vs on (bitwise), peak memory
+* ``train``   : sharded Llama, 20 steps CUDA graphs off vs on (eager codegen: bitwise;
+                Inductor codegen: within float tolerance), peak memory
                 off vs on, loss of step N read after step N+1, 2 micro-batches
                 (two forwards, one backward) vs the same with graphs off;
                 graphcomp.runtime.teardown() then destroy_process_group.
@@ -25,6 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import graphcomp  # noqa: E402
+import graphcomp.state  # noqa: E402
 from graphcomp.models import Llama, synthetic_batch  # noqa: E402
 
 STEPS = 20
@@ -49,7 +51,10 @@ def _train(preset, options, steps, batch, seq, micro=1):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
+    step_peaks, step_reserved = [], []
+    peak = 0
     for step in range(steps):
+        torch.cuda.reset_peak_memory_stats()
         if micro == 1:
             tok, tgt = synthetic_batch(m.cfg, batch, seq, seed=1000 * rank + step, device="cuda")
             loss = cm(tok, tgt)
@@ -64,13 +69,19 @@ def _train(preset, options, steps, batch, seq, micro=1):
         opt.step()
         opt.zero_grad(set_to_none=(step % 2 == 0))
         losses.append(loss.detach())  # read only at the end: step N after step N+1
+        step_peaks.append(torch.cuda.max_memory_allocated() - base)
+        step_reserved.append(torch.cuda.max_memory_reserved())
+        peak = max(peak, step_peaks[-1])
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
     params = [p.detach().clone() for p in m.parameters()]
     return {
         "losses": [float(x) for x in losses],
         "loss_bits": [int(x.view(torch.int32).item()) for x in torch.stack(losses).float()],
         "peak": peak,
+        "step_peaks": step_peaks,
+        "step_reserved": step_reserved,
+        "pool_bytes": sum(r.get("pool_bytes", 0) for f in graphcomp.state.STATE.frames
+                          for d in f["stages"].values() for r in d.get("partitions", [])),
         "seconds": time.perf_counter() - t0,
         "params": params,
         "counters": {k: v for k, v in graphcomp.counters.items() if not k.startswith("bytes")},
@@ -91,6 +102,17 @@ def scenario_train(out):
     res["counters_on"] = on["counters"]
     res["peak_off"], res["peak_on"] = off["peak"], on["peak"]
     res["seconds_off"], res["seconds_on"] = off["seconds"], on["seconds"]
+    # Inductor-compiled pieces: graphs on vs off within float tolerance (Inductor's
+    # embedding backward accumulates with atomics, so bitwise equality is not expected)
+    graphcomp.reset()
+    ioff = _train(preset, {"codegen": "inductor", "cudagraphs": "off"}, STEPS, 4, 64)
+    graphcomp.reset()
+    ion = _train(preset, {"codegen": "inductor", "cudagraphs": "auto"}, STEPS, 4, 64)
+    res["inductor_loss_max_rel"] = max(abs(a - b) / abs(b) for a, b in zip(ioff["losses"], ion["losses"]))
+    res["inductor_param_max_rel"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30))
+                                        for a, b in zip(ion["params"], ioff["params"]))
+    res["inductor_counters_on"] = ion["counters"]
+    res["inductor_seconds_off"], res["inductor_seconds_on"] = ioff["seconds"], ion["seconds"]
     # gradient accumulation: two forwards before one backward
     graphcomp.reset()
     acc_off = _train(preset, {"codegen": "eager", "cudagraphs": "off"}, 4, 2, 32, micro=2)
@@ -106,6 +128,10 @@ def scenario_train(out):
     mon = _train("demo", {"codegen": "eager", "cudagraphs": "auto"}, 3, 8, 128)
     res["mem_peak_off"], res["mem_peak_on"] = moff["peak"], mon["peak"]
     res["mem_ratio"] = mon["peak"] / max(moff["peak"], 1)
+    res["mem_step_peaks_off"], res["mem_step_peaks_on"] = moff["step_peaks"], mon["step_peaks"]
+    res["mem_pool_bytes_on"] = mon["pool_bytes"]
+    res["mem_step_reserved_off"], res["mem_step_reserved_on"] = moff["step_reserved"], mon["step_reserved"]
+    res["mem_counters_on"] = mon["counters"]
     released = graphcomp.runtime.teardown()
     res["released"] = released
     return res

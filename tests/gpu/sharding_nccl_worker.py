@@ -35,14 +35,14 @@ def reference(device, steps):
     return losses, {k: v.detach().float().cpu() for k, v in m.state_dict().items()}
 
 
-def sharded(device, rank, world, fuse, bucket, codegen, param_dtype, steps):
+def sharded(device, rank, world, fuse, bucket, codegen, param_dtype, steps, cudagraphs="auto"):
     torch._dynamo.reset()
     graphcomp.reset()
     torch.manual_seed(0)
     m = Llama("tiny").to(device)
     graphcomp.shard(m, param_dtype=param_dtype)
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
-    opts = {"codegen": codegen, "bucket_bytes": 12288,
+    opts = {"codegen": codegen, "bucket_bytes": 12288, "cudagraphs": cudagraphs if cuda_ok() else "off",
             "passes": {"fuse_allgather_downcast": fuse, "bucket_collectives": bucket}}
     cm = torch.compile(m, backend="graphcomp", options=opts)
     losses = []
@@ -56,6 +56,10 @@ def sharded(device, rank, world, fuse, bucket, codegen, param_dtype, steps):
         dist.all_reduce(l)
         losses.append(l.item() / world)
     return losses, {k: v.float().cpu() for k, v in full_state_dict(m).items()}, dict(graphcomp.counters)
+
+
+def cuda_ok():
+    return torch.cuda.is_available()
 
 
 def rel(a, b):
@@ -75,15 +79,17 @@ def main():
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "runs": []}
     ok = True
     ref_losses, ref_params = reference(device, STEPS) if rank == 0 else (None, None)
-    runs = [(f, b, "eager", None) for f, b in itertools.product([True, False], [True, False])]
-    runs += [(True, True, "inductor", None)]
-    runs += [(f, b, "eager", torch.bfloat16) for f, b in itertools.product([True, False], [True, False])]
+    runs = [(f, b, "eager", None, "auto") for f, b in itertools.product([True, False], [True, False])]
+    runs += [(True, True, "inductor", None, "off"), (True, True, "inductor", None, "auto"),
+             (False, False, "inductor", None, "auto")]
+    runs += [(f, b, "eager", torch.bfloat16, "auto") for f, b in itertools.product([True, False], [True, False])]
     bf16_base = None
-    for fuse, bucket, codegen, pdt in runs:
-        losses, params, counters = sharded(device, rank, world, fuse, bucket, codegen, pdt, STEPS)
+    for fuse, bucket, codegen, pdt, cg in runs:
+        losses, params, counters = sharded(device, rank, world, fuse, bucket, codegen, pdt, STEPS, cg)
         if rank != 0:
             continue
-        entry = {"fuse": fuse, "bucket": bucket, "codegen": codegen, "param_dtype": str(pdt),
+        entry = {"fuse": fuse, "bucket": bucket, "codegen": codegen, "param_dtype": str(pdt), "cudagraphs": cg,
+                 "captures": counters.get("captures", 0), "replays": counters.get("replays", 0),
                  "bytes_gathered": {k: v for k, v in counters.items() if k.startswith("bytes_gathered")},
                  "buckets": counters.get("collective_buckets", 0), "gathers_fused": counters.get("gathers_fused", 0)}
         if pdt is None:

@@ -60,13 +60,13 @@ def _item_train(options, steps=6):
     return torch.stack(losses), [p.detach().clone() for p in m.parameters()]
 
 
-@pytest.mark.parametrize("codegen", ["eager"])
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
 def test_item_model_is_partitioned_and_correct(codegen):
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         ref_l, ref_p = _item_train(None)
         torch._dynamo.reset()
         graphcomp.reset()
-        l, p = _item_train({"codegen": codegen, "min_piece_nodes": 1, "cudagraphs": "auto"})
+        l, p = _item_train({"codegen": codegen, "min_piece_nodes": 1})
     tol = dict(rtol=1e-4, atol=1e-5)  # vs plain eager PyTorch (decomposed aten / fused kernels)
     torch.testing.assert_close(l, ref_l, **tol)
     for a, b in zip(p, ref_p):
@@ -91,7 +91,7 @@ def test_require_raises_for_item_model():
 def test_changed_static_address_is_caught():
     torch.manual_seed(0)
     m = TinyMLP().cuda()
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "check_static_inputs": "always", "cudagraphs": "auto"})
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "check_static_inputs": "always"})
     x = torch.randn(8, 16, device="cuda")
     for _ in range(3):
         cm(x).sum().backward()
@@ -105,8 +105,7 @@ def test_changed_static_address_recaptures_when_asked():
     torch.manual_seed(0)
     m = TinyMLP().cuda()
     cm = torch.compile(m, backend="graphcomp",
-                       options={"codegen": "eager", "check_static_inputs": "always", "on_address_change": "recapture",
-                                "cudagraphs": "auto"})
+                       options={"codegen": "eager", "check_static_inputs": "always", "on_address_change": "recapture"})
     x = torch.randn(8, 16, device="cuda")
     cm(x).sum().backward()
     cm(x).sum().backward()
@@ -120,28 +119,22 @@ def test_changed_static_address_recaptures_when_asked():
 def test_loss_of_step_n_keeps_its_value_and_shapes_capture_once_each():
     torch.manual_seed(0)
     m = TinyMLP().cuda()
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "max_captures": 2, "cudagraphs": "auto"})
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "max_captures": 2})
     xs = [torch.randn(8, 16, device="cuda") for _ in range(3)]
     outs = [cm(x) for x in xs]  # no backward: inference-style outputs, held across calls
     for x, o in zip(xs, outs):
         torch.testing.assert_close(o, m(x), rtol=0, atol=0)
 
 
-def test_inductor_codegen_runs_without_capture_by_default():
-    """CUDA graphs with Inductor-compiled pieces are disabled (wrong gradients on the
-    tiny Llama, 2026-11-22): the default never captures, and asking is a ValueError."""
+def test_inductor_does_not_capture_itself():
     torch.manual_seed(0)
     m = TinyMLP().cuda()
     cm = torch.compile(m, backend="graphcomp", options={"codegen": "inductor"})
     x = torch.randn(8, 16, device="cuda")
     for _ in range(3):
         cm(x).sum().backward()
-    assert graphcomp.counters["captures"] == 0 and graphcomp.counters["replays"] == 0
+    assert graphcomp.counters["captures"] >= 2 and graphcomp.counters["replays"] >= 4
     torch.testing.assert_close(cm(x), m(x), rtol=1e-4, atol=1e-5)
-    torch._dynamo.reset()
-    bad = torch.compile(m, backend="graphcomp", options={"codegen": "inductor", "cudagraphs": "auto"})
-    with pytest.raises(Exception, match="is disabled"):
-        bad(x)
 
 
 # ------------------------------------------------------------ torchrun (1 / 2 GPUs)
@@ -154,23 +147,36 @@ def _torchrun(nproc, scenario, tmp_path, timeout, preset="tiny"):
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{scenario} on {nproc} GPU(s) did not finish in {timeout}s (hang?)\n{(e.stderr or '')[-3000:]}")
     assert out.returncode == 0, out.stderr[-4000:]
-    return [json.loads((tmp_path / f"{scenario}.rank{r}.json").read_text()) for r in range(nproc)]
+    results = [json.loads((tmp_path / f"{scenario}.rank{r}.json").read_text()) for r in range(nproc)]
+    keep = os.environ.get("GRAPHCOMP_GPU_RESULTS")
+    if keep:  # the device session copies these into benchmarks/results/gpu-tests/
+        os.makedirs(keep, exist_ok=True)
+        with open(os.path.join(keep, f"cudagraphs_{scenario}_{nproc}gpu.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return results
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sharded_training_bitwise_and_safety(nproc, tmp_path):
     if _ngpu() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
-    results = _torchrun(nproc, "train", tmp_path, timeout=240)
+    results = _torchrun(nproc, "train", tmp_path, timeout=300)
     for r in results:
-        assert r["bitwise_losses"], (r["losses_off"], r["losses_on"])
-        assert r["bitwise_params"]
-        assert r["distinct_losses"], r["losses_on"]  # step N's loss read after step N+1 kept its value
-        c = r["counters_on"]
-        assert c.get("captures", 0) >= 2 and c.get("replays", 0) >= 30, c
-        assert r["accum_losses_equal"] and r["accum_params_equal"], r["accum_counters"]
-        assert r["mem_ratio"] <= 1.05, (r["mem_peak_off"], r["mem_peak_on"])
-        assert r["released"] >= 2
+        c, ic = r["counters_on"], r["inductor_counters_on"]
+        checks = {
+            "eager codegen: losses bitwise equal, graphs on vs off": r["bitwise_losses"],
+            "eager codegen: params bitwise equal": r["bitwise_params"],
+            "loss of step N read after step N+1 kept its value": r["distinct_losses"],
+            "captured and replayed": c.get("captures", 0) >= 2 and c.get("replays", 0) >= 30,
+            "2 micro-batches: losses and params equal": r["accum_losses_equal"] and r["accum_params_equal"],
+            "inductor codegen: within 1e-5 (loss) / 1e-4 (params) of graphs off":
+                r["inductor_loss_max_rel"] <= 1e-5 and r["inductor_param_max_rel"] <= 1e-4,
+            "inductor codegen: captured": ic.get("captures", 0) >= 2,
+            "graphs released by teardown": r["released"] >= 2,
+            "peak memory at most +5%": r["mem_ratio"] <= 1.05,
+        }
+        failed = [k for k, ok in checks.items() if not ok]
+        assert not failed, (failed, {k: v for k, v in r.items() if k not in ("losses_off", "losses_on")})
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

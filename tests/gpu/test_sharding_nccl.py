@@ -30,6 +30,12 @@ def test_sharded_training_matches_reference_on_2_gpus(tmp_path):
         (Path(keep) / "sharding_nccl.json").write_text(json.dumps(verdict, indent=1))
     bad = [r for r in verdict["runs"] if not r["ok"]]
     assert not bad, json.dumps(bad, indent=1)
+    # the CUDA-graph runs really captured (collectives inside captured pieces) and replayed
+    for r in verdict["runs"]:
+        if r["cudagraphs"] == "auto":
+            assert r["captures"] >= 2 and r["replays"] >= 2 * 9, r
+        else:
+            assert r["captures"] == 0, r
     fused = next(r for r in verdict["runs"] if r["param_dtype"] == "torch.bfloat16" and r["fuse"] and not r["bucket"])
     unfused = next(r for r in verdict["runs"] if r["param_dtype"] == "torch.bfloat16" and not r["fuse"] and not r["bucket"])
     assert fused["bytes_gathered"]["bytes_gathered:bfloat16"] * 2 == unfused["bytes_gathered"]["bytes_gathered:float32"]
