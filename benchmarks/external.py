@@ -156,8 +156,32 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None) -> Built:
         if callable(reset):
             reset()
 
+    def stats() -> dict:
+        return {"counters": _counters(graphcomp), "memory_estimate": memory_estimate(opt)}
+
     return Built(step=standard_step(compiled, opt, ctx.device, autocast=not sharded), config=cfg, compiles=True,
-                 keep=[compiled, model, opt], teardown=teardown, stats=lambda: {"counters": _counters(graphcomp)})
+                 keep=[compiled, model, opt], teardown=teardown, stats=stats)
+
+
+def memory_estimate(opt: torch.optim.Optimizer) -> dict:
+    """graphcomp's static memory model for one training step (issue 5's "measured vs
+    estimated peak"): the largest per-stage peak of the compiled graphs (graph inputs,
+    i.e. parameter shards and saved activations, included), plus what no graph holds:
+    the optimizer state. Gradients are graph outputs, counted in the backward peak."""
+    from graphcomp.state import STATE
+
+    peaks: dict[str, int] = {}
+    for f in STATE.frames:
+        for stage, d in f.get("stages", {}).items():
+            pk = (d.get("memory") or {}).get("peak_bytes")
+            if stage in ("fwd", "bwd") and isinstance(pk, int):
+                peaks[stage] = max(peaks.get(stage, 0), pk)
+    state_bytes = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                      if isinstance(t, torch.Tensor) and t.device.type != "cpu")
+    out = {"stage_peak_bytes": peaks, "optimizer_state_bytes": state_bytes}
+    if peaks:
+        out["estimated_step_peak_bytes"] = max(peaks.values()) + state_bytes
+    return out
 
 
 def make_ablation_builder(pass_name: str):
@@ -200,12 +224,19 @@ def deepspeed_config(ctx: Ctx, deepcompile: bool) -> dict:
 def build_deepspeed(ctx: Ctx, deepcompile: bool = False) -> Built:
     if ctx.device.type != "cuda":
         raise NotRun("DeepSpeed ZeRO-3 needs CUDA + NCCL; this run is on CPU/gloo")
-    # DeepSpeed's op builder parses torch's arch list and fails on "9.0a"
-    # ("invalid literal for int() with base 10: '0a'", seen on H200 + torch 2.11):
-    # name the device's own arch so DeepCompile's JIT op build gets a plain one.
+    # DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST and fails on "9.0a"
+    # ("invalid literal for int() with base 10: '0a'"): the H200 machines' image sets
+    # it so. Give DeepCompile's JIT op build the device's own plain arch instead.
     import os
+    import re
 
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "%d.%d" % torch.cuda.get_device_capability(ctx.device))
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    entries = [a for a in arch.replace(" ", ";").split(";") if a]
+    if not entries or any(not re.fullmatch(r"\d+\.\d+(\+PTX)?", a) for a in entries):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability(ctx.device)
+        if arch:
+            log.warning("TORCH_CUDA_ARCH_LIST=%r is not parseable by DeepSpeed's op builder; using %r",
+                        arch, os.environ["TORCH_CUDA_ARCH_LIST"])
     try:
         import deepspeed
     except Exception as e:  # noqa: BLE001

@@ -15,6 +15,7 @@
 #   SYSTEMS           systems for every run (default: per run, below)
 #   ABLATION=1        add the graphcomp per-pass ablation to W1 runs on 2 GPUs
 #   PROFILE=0         no profiler idle share (default: 3 extra profiled steps per system)
+#   TRACE=sys1,sys2   also write rank 0's Chrome trace of the profiled steps for these systems
 #   BENCH_GIT_COMMIT  the commit to record (the GPU machine's copy has no .git)
 #   BENCH_NGPU        pretend this many GPUs (dry run on a CPU machine: smoke:2 runs on gloo)
 #
@@ -105,6 +106,7 @@ for run in "${RUNS[@]}"; do
   devs=$(seq -s, 0 $(( N - 1 )))
   extra=()
   [ "$PROFILE" = "1" ] && extra+=(--profile --profile-steps 3)
+  [ "$PROFILE" = "1" ] && [ -n "${TRACE:-}" ] && extra+=(--trace "$TRACE")
   CUDA_VISIBLE_DEVICES=$devs timeout -k 20 $(( L - 10 )) \
     python3 -m torch.distributed.run --standalone --nproc-per-node "$N" -m benchmarks.run \
       --workload "$W" --warmup "$WARMUP" --steps "$STEPS" --systems "$S" --out-dir "$RES" \

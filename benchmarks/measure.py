@@ -147,11 +147,19 @@ def _device_intervals(prof, device_type) -> list[tuple[float, float, str]]:
         return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == device_type]
 
 
-def gpu_idle_share(run_steps: Callable[[int], None], n_steps: int, device: torch.device) -> dict:
-    """Profile ``n_steps`` extra steps (outside the timed window; GPU activity only, to
-    keep the profiler's own overhead low) and return the share of the span from the
-    first to the last GPU event with no GPU activity at all (``idle``) and with no
-    non-NCCL kernel running (``compute_idle``). ``None`` values off CUDA."""
+def gpu_idle_share(run_steps: Callable[[int], None], n_steps: int, device: torch.device,
+                   trace_path: str | None = None) -> dict:
+    """Profile ``n_steps`` extra steps (outside the timed window) and return, as shares
+    of the span from the first to the last GPU event:
+
+    * ``idle``: no GPU activity at all;
+    * ``compute_idle``: no non-NCCL kernel running;
+    * ``comm``: some NCCL kernel running;
+    * ``exposed_comm``: an NCCL kernel running and no compute kernel (communication
+      that nothing hides); ``comm_overlapped`` = 1 - exposed_comm / comm.
+
+    ``trace_path``: also write the Chrome trace there (gzip when it ends in .gz).
+    ``None`` values off CUDA."""
     out = {"idle": None, "compute_idle": None, "profiled_steps": n_steps, "gpu_events": 0, "error": None}
     if device.type != "cuda":
         out["error"] = "no CUDA device"
@@ -175,11 +183,41 @@ def gpu_idle_share(run_steps: Callable[[int], None], n_steps: int, device: torch
     if span <= 0:
         out["error"] = "empty GPU span"
         return out
-    out["idle"] = 1.0 - _union_length([(s, e) for s, e, _ in ev]) / span
-    out["compute_idle"] = 1.0 - _union_length([(s, e) for s, e, n in ev if "nccl" not in n.lower()]) / span
+    busy = _union_length([(s, e) for s, e, _ in ev])
+    compute = _union_length([(s, e) for s, e, n in ev if "nccl" not in n.lower()])
+    comm = _union_length([(s, e) for s, e, n in ev if "nccl" in n.lower()])
+    out["idle"] = 1.0 - busy / span
+    out["compute_idle"] = 1.0 - compute / span
+    out["comm"] = comm / span
+    out["exposed_comm"] = (busy - compute) / span  # time only NCCL kernels run
+    out["comm_overlapped"] = (1.0 - (busy - compute) / comm) if comm > 0 else None
+    if trace_path:
+        try:
+            _export_trace(prof, trace_path)
+            out["trace"] = os.path.basename(trace_path)
+        except Exception as e:  # noqa: BLE001 - a trace is extra; never lose the numbers
+            out["trace_error"] = f"{type(e).__name__}: {e}"
     out["span_ms"] = span / 1e3
     out["analysis_s"] = time.perf_counter() - t0
     return out
+
+
+def _export_trace(prof, path: str) -> None:
+    if not path.endswith(".gz"):
+        prof.export_chrome_trace(path)
+        return
+    import gzip
+    import shutil
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        raw = tmp.name
+    try:
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    finally:
+        os.unlink(raw)
 
 
 _DTYPE_NAMES = {"c10::BFloat16": "bfloat16", "c10::Half": "float16", "float": "float32", "double": "float64"}

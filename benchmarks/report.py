@@ -31,6 +31,7 @@ METRIC_KEYS = (
     "losses",                   # loss of every step, warmup included (mean over ranks)
     "gpu_idle_share",           # profiler: share of time with no kernel on the GPU (--profile)
     "gpu_compute_idle_share",   # profiler: share of time with no non-NCCL kernel (--profile)
+    "exposed_comm_share",       # profiler: share of time an NCCL kernel runs and no compute kernel (--profile)
     "dynamo_graphs",            # Dynamo graphs compiled for this system
     "dynamo_graph_breaks",      # Dynamo graph breaks for this system
     "wall_s",                   # wall time of the whole system (build, steps, profile, warm compile)
@@ -165,7 +166,7 @@ def markdown(result: dict) -> str:
     base = [b for b in BASELINES if _num(systems.get(b, {}).get("metrics", {}).get("tokens_per_s_per_gpu"))]
     head = (["system", "tokens/s/GPU"] + [f"× {b}" for b in base] +
             ["MFU", "MFU/matmul", "step ms", "peak alloc GiB", "peak resv GiB", "compile s (cold/warm)",
-             "loss first → last", "GPU idle"])
+             "loss first → last", "GPU idle", "exposed comm"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in systems.items():
         m = r["metrics"]
@@ -180,12 +181,22 @@ def markdown(result: dict) -> str:
                 _fmt(m["peak_mem_reserved_gib"], ".2f"),
                 f"{_fmt(m['compile_cold_s'], '.1f')} / {_fmt(m['compile_warm_s'], '.1f')}",
                 f"{_fmt(m['loss_first'], '.4f')} → {_fmt(m['loss_last'], '.4f')}",
-                _pct(m["gpu_idle_share"])])
+                _pct(m["gpu_idle_share"]), _pct(m.get("exposed_comm_share"))])
         lines.append("| " + " | ".join(row) + " |")
     bad = {n: r for n, r in systems.items() if r["status"] != "ok"}
     if bad:
         lines += ["", "Not run / failed:", ""]
         lines += [f"- `{n}`: {r['status']}: {(r['reason'] or '').splitlines()[0][:300]}" for n, r in bad.items()]
+    est_lines = []
+    for name, r in systems.items():
+        est = (r.get("stats") or {}).get("memory_estimate") or {}
+        meas = r["metrics"].get("peak_mem_allocated_gib")
+        if est.get("estimated_step_peak_bytes") and _num(meas):
+            e = est["estimated_step_peak_bytes"] / 2**30
+            est_lines.append(f"- {name}: estimated {e:.2f} GiB (largest graph peak + optimizer state), measured "
+                             f"{meas:.2f} GiB: measured/estimated {meas / e:.2f}")
+    if est_lines:
+        lines += ["", "graphcomp memory model vs measured peak (rank max):", ""] + est_lines
     p = result.get("loss_parity") or {}
     if p.get("reference"):
         lines += ["", f"Loss parity vs `{p['reference']}` (max relative difference over measured steps; "

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="each system compiles with a fresh, empty Inductor cache (truly cold compile times)")
     p.add_argument("--profile", action="store_true", help="profile a few extra steps for the GPU idle share")
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--trace", default="", help="comma-separated systems whose profiled steps are also written as a "
+                                               "Chrome trace of rank 0 (<out-dir>/<date>-<W>-<N>gpu[-tag]-<system>"
+                                               ".trace.json.gz); needs --profile")
     p.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--cpu", action="store_true", help="force CPU + gloo even if CUDA is there")
@@ -245,10 +248,14 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
                 for i in range(n):
                     built.step(*batches[i % total])
             try:
-                prof = measure.gpu_idle_share(more, args.profile_steps, device)
+                tpath = None
+                if ctx.rank == 0 and name in {x.strip() for x in args.trace.split(",") if x.strip()}:
+                    tpath = f"{args.trace_base}-{name}.trace.json.gz"
+                prof = measure.gpu_idle_share(more, args.profile_steps, device, trace_path=tpath)
             except Exception as e:  # noqa: BLE001
                 prof = {"error": _failure_text(e)}
             m["gpu_idle_share"], m["gpu_compute_idle_share"] = prof.get("idle"), prof.get("compute_idle")
+            m["exposed_comm_share"] = prof.get("exposed_comm")
             res["stats"]["profile"] = prof
         if built.stats is not None:
             try:
@@ -350,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         P(f"[bench] workload={w.name} preset={w.preset} params={n_params / 1e6:.4g}M batch={w.batch} seq={w.seq} "
           f"world={world} device={env['device_name']} systems={','.join(n for n, _ in systems)}")
+        os.makedirs(args.out_dir, exist_ok=True)
+        args.trace_base = os.path.join(args.out_dir, f"{_dt.date.today().isoformat()}-{w.name}-{world}gpu"
+                                                     f"{('-' + args.tag) if args.tag else ''}")
         batches = workloads.make_batches(w, w.warmup + w.steps, rank, world, args.seed, device)
         for name, builder in systems:
             ctx = Ctx(workload=w, device=device, rank=rank, world=world, seed=args.seed)
