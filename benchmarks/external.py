@@ -173,10 +173,15 @@ def memory_estimate(opt: torch.optim.Optimizer) -> dict:
     peaks: dict[str, int] = {}
     for f in STATE.frames:
         for stage, d in f.get("stages", {}).items():
-            pk = (d.get("memory") or {}).get("peak_bytes")
+            mem = d.get("memory") or {}
+            pk = mem.get("peak_bytes_allocated", mem.get("peak_bytes"))  # what max_memory_allocated counts
             if stage in ("fwd", "bwd") and isinstance(pk, int):
                 peaks[stage] = max(peaks.get(stage, 0), pk)
-    state_bytes = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+
+    def local(t: torch.Tensor) -> torch.Tensor:  # a DTensor's numel() is the global one
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    state_bytes = sum(local(t).numel() * t.element_size() for st in opt.state.values() for t in st.values()
                       if isinstance(t, torch.Tensor) and t.device.type != "cpu")
     out = {"stage_peak_bytes": peaks, "optimizer_state_bytes": state_bytes}
     if peaks:

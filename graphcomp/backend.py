@@ -96,7 +96,7 @@ class FrameCompiler:
             "collectives": colls,
             "bytes_by_dtype": graph_utils.collective_bytes_by_dtype(colls),
             "partitions": self.frame_data.get(f"partitions:{stage}", []),
-            "memory": memory.summary(gm),  # static estimate: peak bytes and where (graphcomp/memory.py)
+            "memory": self._memory_summary(stage, gm),  # static estimate: peak bytes and where (graphcomp/memory.py)
         }
         if stage in ("fwd", "bwd"):
             for dtype, b in graph_utils.collective_bytes_by_dtype(colls, "all_gather").items():
@@ -108,6 +108,16 @@ class FrameCompiler:
             self.frame_id, stage, nodes_in, len(gm.graph.nodes), ", ".join(changed) or "none",
         )
         return gm
+
+    def _memory_summary(self, stage: str, gm: fx.GraphModule) -> dict[str, Any]:
+        """The memory model on the stage graph as scheduled (before a CUDA-graph split:
+        the glue graph of a split one says nothing about memory), with the forward's
+        static inputs (parameters, shards) as the only inputs live throughout."""
+        target = gm.meta.get("graphcomp_split_from", gm)
+        persistent = None
+        if stage in ("fwd", "bwd"):
+            persistent = memory.persistent_inputs(target, stage, self.frame_data.get("static_input_idxs:fwd"))
+        return memory.summary(target, persistent=persistent)
 
     def _flush(self) -> None:
         dump.write_summary(self.cfg.dump_dir, self.rank, [f for f in STATE.frames])

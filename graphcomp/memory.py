@@ -8,10 +8,16 @@ Model (deterministic: it reads only the graph, so every rank computes the same):
   order; a view (an op whose schema says its output aliases an input, e.g.
   ``view``, ``slice``, ``t``, ``wait_tensor``) and a ``getitem`` share the storage
   of their base, which is counted once and lives until the last user of any alias;
-* graph inputs (placeholders: parameters, shards, saved activations, tangents)
-  are live throughout; values returned by the graph live until its end;
+* graph inputs (placeholders) are live throughout, unless ``persistent`` names
+  the ones that are (parameters, shards, buffers): then every other input (saved
+  activations, tangents, user inputs) is freed after its last use, as
+  AOTAutograd's boxed calling convention lets the compiled graph do; values
+  returned by the graph live until its end;
 * a collective's input stays live until the collective's ``wait_tensor`` (the
-  communication reads it until then).
+  communication reads it until then), unless ``inputs_until_wait=False``: then
+  until its last use, the collective itself (what the caching allocator counts as
+  allocated: the communication stream keeps the block from reuse until it is done,
+  but it is no longer "allocated").
 
 ``estimate(gm)`` gives the peak and the node where it occurs. For the joint
 graph, ``reshard=`` models ``schedule_free``: the listed storages are freed after
@@ -86,7 +92,8 @@ def backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def intervals(
-    gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None
+    gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
+    persistent: Iterable[fx.Node] | None = None, inputs_until_wait: bool = True,
 ) -> tuple[list[fx.Node], dict[fx.Node, list[tuple[int, int]]], dict[fx.Node, int]]:
     """(nodes in order, storage root -> live intervals [start, end] inclusive, root -> bytes)."""
     nodes = list(gm.graph.nodes)
@@ -109,7 +116,7 @@ def intervals(
                 continue  # an alias of r: its own users count (a view is not a use)
             uses[r].append(end if u.op == "output" else idx[u])
     # a collective's input buffer is in use until the collective is waited on
-    for n in nodes:
+    for n in nodes if inputs_until_wait else ():
         if n.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(n.args[0], fx.Node):
             for a in n.args[0].all_input_nodes:
                 if a in roots and a.op != "output":
@@ -117,10 +124,12 @@ def intervals(
     reshard = set(reshard)
     if reshard and bwd is None:
         bwd = backward_nodes(gm)
+    keep = None if persistent is None else set(persistent)
     live: dict[fx.Node, list[tuple[int, int]]] = {}
     for r, us in uses.items():
         start = 0 if r.op == "placeholder" else idx[r]
-        last = end if r.op == "placeholder" else max(us, default=start)
+        whole = r.op == "placeholder" and (keep is None or r in keep)
+        last = end if whole else max(us, default=start)
         if r in reshard and bwd:
             fw = [u for u in us if nodes[u] not in bwd and nodes[u].op != "output"]
             bw = [u for u in us if nodes[u] in bwd or nodes[u].op == "output"]
@@ -132,9 +141,10 @@ def intervals(
     return nodes, live, size
 
 
-def timeline(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None) -> list[int]:
-    """Bytes live while each node (graph order) runs."""
-    nodes, live, size = intervals(gm, reshard, bwd)
+def timeline(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
+             **kw: Any) -> list[int]:
+    """Bytes live while each node (graph order) runs (``kw``: see :func:`intervals`)."""
+    nodes, live, size = intervals(gm, reshard, bwd, **kw)
     delta = [0] * (len(nodes) + 1)
     for r, ivs in live.items():
         for s, e in ivs:
@@ -147,10 +157,12 @@ def timeline(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.No
     return out
 
 
-def estimate(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None) -> MemoryEstimate:
-    """Estimated peak bytes of ``gm`` in its current order (see module docstring)."""
+def estimate(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
+             **kw: Any) -> MemoryEstimate:
+    """Estimated peak bytes of ``gm`` in its current order (see module docstring;
+    ``kw``: ``persistent``, ``inputs_until_wait`` of :func:`intervals`)."""
     nodes = list(gm.graph.nodes)
-    tl = timeline(gm, reshard, bwd)
+    tl = timeline(gm, reshard, bwd, **kw)
     inputs = sum(value_bytes(n) for n in nodes if n.op == "placeholder")
     if not tl:
         return MemoryEstimate(0, "", -1, 0, 0)
@@ -185,15 +197,37 @@ def resolve_budget(budget: int | float | None, gm: fx.GraphModule) -> int | None
     return int(budget)
 
 
-def summary(gm: fx.GraphModule, top: int = 5) -> dict[str, Any]:
+def persistent_inputs(gm: fx.GraphModule, stage: str, fw_static_idxs: Iterable[int] | None) -> set[fx.Node] | None:
+    """The placeholders of a stage graph that outlive it: the forward's static
+    inputs (AOTAutograd's parameters and buffers) by position; in the backward, the
+    ones AOTAutograd names after those forward inputs (``primals_<i+1>``). None when
+    the static inputs are unknown (hand-built graphs): every input then counts as
+    live throughout."""
+    if fw_static_idxs is None:
+        return None
+    static = set(fw_static_idxs)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if stage == "bwd":
+        names = {f"primals_{i + 1}" for i in static}
+        return {n for n in phs if n.name in names}
+    return {n for i, n in enumerate(phs) if i in static}
+
+
+def summary(gm: fx.GraphModule, top: int = 5, persistent: Iterable[fx.Node] | None = None) -> dict[str, Any]:
     """JSON for ``summary.json`` / ``graphcomp inspect``: estimated peak, where it
-    occurs (node, its op, position) and the largest storages live there."""
+    occurs (node, its op, position) and the largest storages live there.
+    ``peak_bytes`` is the conservative figure the budget uses (collective inputs
+    held until their wait); ``peak_bytes_allocated`` is what the CUDA caching
+    allocator reports as allocated (``inputs_until_wait=False``)."""
     try:
-        nodes, live, size = intervals(gm)
-        est = estimate(gm)
+        nodes, live, size = intervals(gm, persistent=persistent)
+        est = estimate(gm, persistent=persistent)
+        alloc = estimate(gm, persistent=persistent, inputs_until_wait=False)
     except Exception as e:  # a graph the model does not understand: say so, never fail the compile
         return {"error": f"{type(e).__name__}: {e}"}
     out = est.to_json()
+    out["peak_bytes_allocated"] = alloc.peak_bytes
+    out["persistent_inputs"] = None if persistent is None else len(list(persistent))
     if est.peak_index >= 0:
         at = est.peak_index
         out["peak_op"] = gu.op_name(nodes[at])

@@ -106,3 +106,52 @@ def test_inspect_shows_estimated_peak_per_stage():
                                             "memory": memory.summary(gm)}}}
     text = format_frame(frame)
     assert "est. peak" in text and "3.0 KiB" in text and "add (aten.add.Tensor" in text
+
+
+def test_non_persistent_inputs_die_after_last_use():
+    """With the persistent inputs named (parameters), other inputs (saved
+    activations, tangents) are freed after their last use, as the compiled graph
+    frees them under AOTAutograd's boxed calling convention."""
+    def f(w, act):
+        a = act * 2  # act's last use
+        b = torch.ones(2048)  # 8 KiB, after act died
+        return (a * w).sum() + b.sum()
+
+    gm = trace(f, torch.randn(1024), torch.randn(1024))
+    w, act = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    all_live = memory.estimate(gm)
+    only_w = memory.estimate(gm, persistent={w})
+    assert all_live.peak_bytes - only_w.peak_bytes == 4096  # act is no longer counted at the peak
+    nodes, live, _ = memory.intervals(gm, persistent={w})
+    assert live[w] == [(0, len(nodes) - 1)]
+    assert live[act] == [(0, nodes.index(_node(gm, "mul")))]
+
+
+def test_collective_input_until_wait_or_only_until_issued():
+    def f(x):
+        buf = x * 2  # 4 KiB: the collective's input
+        out = torch.ops._c10d_functional.reduce_scatter_tensor.default(buf, "sum", 4, "g")
+        big = torch.ones(4096)  # 16 KiB allocated while the collective is in flight
+        s = big.sum()
+        w = torch.ops._c10d_functional.wait_tensor.default(out)
+        return w.sum() + s
+
+    gm = trace(f, torch.randn(1024))
+    held = memory.estimate(gm)
+    issued = memory.estimate(gm, inputs_until_wait=False)
+    assert held.peak_bytes - issued.peak_bytes == 4096  # buf counted at the peak only when held to the wait
+    s = memory.summary(gm)
+    assert s["peak_bytes"] == held.peak_bytes and s["peak_bytes_allocated"] == issued.peak_bytes
+
+
+def test_persistent_inputs_of_stage_graphs():
+    def fwd(p0, p1, x):
+        return (x * p0 + p1).sum()
+
+    gm = trace(fwd, torch.randn(4), torch.randn(4), torch.randn(4))
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert memory.persistent_inputs(gm, "fwd", [0, 1]) == set(phs[:2])
+    assert memory.persistent_inputs(gm, "fwd", None) is None
+    bwd = torch.fx.symbolic_trace(lambda primals_1, mul, tangents_1: (tangents_1 * primals_1 + mul,))
+    phs = {n.name: n for n in bwd.graph.nodes if n.op == "placeholder"}
+    assert memory.persistent_inputs(bwd, "bwd", [0, 1]) == {phs["primals_1"]}

@@ -7,6 +7,8 @@ Each rank writes ``OUTDIR/<scenario>.rank<R>.json``. Scenarios:
                 off vs on, loss of step N read after step N+1, 2 micro-batches
                 (two forwards, one backward) vs the same with graphs off;
                 graphcomp.runtime.teardown() then destroy_process_group.
+* ``memory``  : peak memory CUDA graphs off vs on (demo preset, Inductor), per-step
+                peaks, pool bytes, the capture stream's cuBLAS workspace.
 * ``exit``    : captures graphs with collectives and calls destroy_process_group
                 WITHOUT teardown (the wrapped destroy / atexit must release them);
                 the parent checks the process exits in time.
@@ -88,6 +90,25 @@ def _train(preset, options, steps, batch, seq, micro=1):
     }
 
 
+def _stream_workspace_bytes() -> int:
+    """Bytes the caching allocator hands cuBLAS / cuBLASLt the first time a matmul
+    runs on a new stream (a per-stream workspace; the capture stream has one)."""
+    a = torch.randn(256, 256, device="cuda")
+    b = torch.randn(256, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y1 = a @ a
+        y2 = torch.nn.functional.linear(a, a, b)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated() - before - y1.nbytes - y2.nbytes
+    del y1, y2
+    return max(used, 0)
+
+
 def scenario_train(out):
     preset = os.environ.get("GC_PRESET", "tiny")
     res = {}
@@ -121,19 +142,28 @@ def scenario_train(out):
     res["accum_losses_equal"] = acc_off["loss_bits"] == acc_on["loss_bits"]
     res["accum_params_equal"] = all(torch.equal(a, b) for a, b in zip(acc_off["params"], acc_on["params"]))
     res["accum_counters"] = acc_on["counters"]
-    # memory on a bigger model (demo preset) so fixed overheads do not dominate
+    released = graphcomp.runtime.teardown()
+    res["released"] = released
+    return res
+
+
+def scenario_memory(out):
+    """Peak memory, CUDA graphs off vs on, on a bigger model (demo preset, Inductor
+    as users run it) so fixed overheads do not dominate. The one fixed cost CUDA
+    graphs add is cuBLAS's workspace for the capture stream, measured on a fresh
+    stream."""
+    res = {"capture_stream_workspace": _stream_workspace_bytes()}
     graphcomp.reset()
-    moff = _train("demo", {"codegen": "eager", "cudagraphs": "off"}, 3, 8, 128)
+    moff = _train("demo", {"codegen": "inductor", "cudagraphs": "off"}, 4, 16, 128)
     graphcomp.reset()
-    mon = _train("demo", {"codegen": "eager", "cudagraphs": "auto"}, 3, 8, 128)
+    mon = _train("demo", {"codegen": "inductor", "cudagraphs": "auto"}, 4, 16, 128)
     res["mem_peak_off"], res["mem_peak_on"] = moff["peak"], mon["peak"]
     res["mem_ratio"] = mon["peak"] / max(moff["peak"], 1)
     res["mem_step_peaks_off"], res["mem_step_peaks_on"] = moff["step_peaks"], mon["step_peaks"]
     res["mem_pool_bytes_on"] = mon["pool_bytes"]
     res["mem_step_reserved_off"], res["mem_step_reserved_on"] = moff["step_reserved"], mon["step_reserved"]
     res["mem_counters_on"] = mon["counters"]
-    released = graphcomp.runtime.teardown()
-    res["released"] = released
+    graphcomp.runtime.teardown()
     return res
 
 
@@ -148,11 +178,11 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     rank = dist.get_rank()
-    res = {"train": scenario_train, "exit": scenario_exit}[scenario](outdir)
+    res = {"train": scenario_train, "memory": scenario_memory, "exit": scenario_exit}[scenario](outdir)
     res["world"] = dist.get_world_size()
     with open(os.path.join(outdir, f"{scenario}.rank{rank}.json"), "w") as f:
         json.dump(res, f, default=str)
-    if scenario == "train":
+    if scenario in ("train", "memory"):
         graphcomp.runtime.teardown()  # always before destroy_process_group
     dist.destroy_process_group()  # "exit": graphs still alive here; the wrapped destroy releases them
 
