@@ -296,6 +296,18 @@ def test_static_input_classification():
     # clone policy: user-visible outputs of captured pieces
     clones = output_users(out, [0])
     assert clones and all(isinstance(v, set) for v in clones.values())
+    # backward: every output that leaves the stage (a gradient) is cloned out of the
+    # pool. Handing gradients out of the pool instead gave wrong results on an H200
+    # (2026-11-22): a kept gradient (zero_grad(set_to_none=False)) was overwritten by
+    # the next forward replay, whose scratch memory overlaps the backward's outputs in
+    # the shared pool. Keep this unless the pools are separated.
+    from graphcomp.passes.cudagraphs import plan_runners
+
+    plan = plan_runners(out, "bwd", [0, 1], None)
+    leaving = output_users(out, None)
+    assert plan and any(leaving.get(n) for n in plan)
+    for name, p in plan.items():
+        assert set(p["clone_outputs"]) == leaving.get(name, set()), (name, p)
 
 
 # ------------------------------------------------- property: split == original
