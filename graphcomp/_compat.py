@@ -153,15 +153,13 @@ def inductor_patches(joint_hook: Any, *, no_donated_buffers: bool = False) -> It
     H200s: wrong first-step gradients, 1.2e-2 parameter error). Off when graphcomp
     captures."""
     import torch._functorch.config as fconfig
-    import torch._inductor.config as iconfig
 
-    patches: dict[str, Any] = {"joint_custom_pre_pass": joint_hook}
     fpatches: dict[str, Any] = {}
     if hasattr(fconfig, "enable_autograd_cache"):
         fpatches["enable_autograd_cache"] = False
     if no_donated_buffers and hasattr(fconfig, "donated_buffer"):
         fpatches["donated_buffer"] = False
-    with iconfig.patch(patches), fconfig.patch(fpatches):
+    with inductor_cache_key(joint_hook), fconfig.patch(fpatches):
         yield
 
 

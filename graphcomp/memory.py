@@ -144,7 +144,11 @@ def intervals(
 def timeline(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
              **kw: Any) -> list[int]:
     """Bytes live while each node (graph order) runs (``kw``: see :func:`intervals`)."""
-    nodes, live, size = intervals(gm, reshard, bwd, **kw)
+    return _timeline_from(*intervals(gm, reshard, bwd, **kw))
+
+
+def _timeline_from(nodes: list[fx.Node], live: dict[fx.Node, list[tuple[int, int]]],
+                   size: dict[fx.Node, int]) -> list[int]:
     delta = [0] * (len(nodes) + 1)
     for r, ivs in live.items():
         for s, e in ivs:
@@ -161,8 +165,12 @@ def estimate(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.No
              **kw: Any) -> MemoryEstimate:
     """Estimated peak bytes of ``gm`` in its current order (see module docstring;
     ``kw``: ``persistent``, ``inputs_until_wait`` of :func:`intervals`)."""
-    nodes = list(gm.graph.nodes)
-    tl = timeline(gm, reshard, bwd, **kw)
+    return _estimate_from(*intervals(gm, reshard, bwd, **kw))
+
+
+def _estimate_from(nodes: list[fx.Node], live: dict[fx.Node, list[tuple[int, int]]],
+                   size: dict[fx.Node, int]) -> MemoryEstimate:
+    tl = _timeline_from(nodes, live, size)
     inputs = sum(value_bytes(n) for n in nodes if n.op == "placeholder")
     if not tl:
         return MemoryEstimate(0, "", -1, 0, 0)
@@ -221,7 +229,7 @@ def summary(gm: fx.GraphModule, top: int = 5, persistent: Iterable[fx.Node] | No
     allocator reports as allocated (``inputs_until_wait=False``)."""
     try:
         nodes, live, size = intervals(gm, persistent=persistent)
-        est = estimate(gm, persistent=persistent)
+        est = _estimate_from(nodes, live, size)
         alloc = estimate(gm, persistent=persistent, inputs_until_wait=False)
     except Exception as e:  # a graph the model does not understand: say so, never fail the compile
         return {"error": f"{type(e).__name__}: {e}"}

@@ -74,7 +74,6 @@ class Runtime:
         self.runners: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._capturing = 0
         self._setup_done = False
-        self.torn_down = False
 
     # ------------------------------------------------------------- set-up
     def ensure(self) -> None:
@@ -96,8 +95,7 @@ class Runtime:
                 atexit.register(teardown)
                 _ATEXIT_REGISTERED = True
             self._setup_done = True
-            self.torn_down = False
-
+    
     def register(self, runner: Any) -> None:
         self.runners.add(runner)
 
@@ -132,7 +130,6 @@ class Runtime:
                 self.device.synchronize()
             except Exception:  # pragma: no cover
                 pass
-        self.torn_down = True
         if n:
             log.info("graphcomp: released %d CUDA graph(s)", n)
         return n
@@ -144,7 +141,6 @@ class Runtime:
         self.stream = None
         self._capturing = 0
         self._setup_done = False
-        self.torn_down = False
 
 
 RUNTIME = Runtime()

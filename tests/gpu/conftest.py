@@ -27,8 +27,7 @@ def _fresh_state():
     torch._dynamo.reset()
     graphcomp.reset()
     yield
-    graphcomp.runtime.teardown()
-    graphcomp.runtime.reset()
+    graphcomp.runtime.reset()  # releases every graph first (teardown)
     torch._dynamo.reset()
 
 
