@@ -163,29 +163,36 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None) -> Built:
                  keep=[compiled, model, opt], teardown=teardown, stats=stats)
 
 
-def memory_estimate(opt: torch.optim.Optimizer) -> dict:
+def memory_estimate(opt: torch.optim.Optimizer, codegen: str = "inductor") -> dict:
     """graphcomp's static memory model for one training step (issue 5's "measured vs
     estimated peak"): the largest per-stage peak of the compiled graphs (graph inputs,
     i.e. parameter shards and saved activations, included), plus what no graph holds:
-    the optimizer state. Gradients are graph outputs, counted in the backward peak."""
+    the optimizer state. Gradients are graph outputs, counted in the backward peak.
+    With ``codegen="inductor"`` the stage peaks model Inductor's fusion and in-place
+    reuse (``peak_bytes_inductor``); ``estimated_step_peak_bytes_unfused`` is the same
+    sum with every FX value materialized (what ``codegen="eager"`` allocates)."""
     from graphcomp.state import STATE
 
     peaks: dict[str, int] = {}
+    unfused: dict[str, int] = {}
     for f in STATE.frames:
         for stage, d in f.get("stages", {}).items():
             mem = d.get("memory") or {}
-            pk = mem.get("peak_bytes_allocated", mem.get("peak_bytes"))  # what max_memory_allocated counts
+            flat = mem.get("peak_bytes_allocated", mem.get("peak_bytes"))  # what max_memory_allocated counts
+            pk = mem.get("peak_bytes_inductor", flat) if codegen == "inductor" else flat
             if stage in ("fwd", "bwd") and isinstance(pk, int):
                 peaks[stage] = max(peaks.get(stage, 0), pk)
+                unfused[stage] = max(unfused.get(stage, 0), flat)
 
     def local(t: torch.Tensor) -> torch.Tensor:  # a DTensor's numel() is the global one
         return t.to_local() if hasattr(t, "to_local") else t
 
     state_bytes = sum(local(t).numel() * t.element_size() for st in opt.state.values() for t in st.values()
                       if isinstance(t, torch.Tensor) and t.device.type != "cpu")
-    out = {"stage_peak_bytes": peaks, "optimizer_state_bytes": state_bytes}
+    out = {"stage_peak_bytes": peaks, "optimizer_state_bytes": state_bytes, "codegen": codegen}
     if peaks:
         out["estimated_step_peak_bytes"] = max(peaks.values()) + state_bytes
+        out["estimated_step_peak_bytes_unfused"] = max(unfused.values()) + state_bytes
     return out
 
 

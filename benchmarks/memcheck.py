@@ -28,7 +28,8 @@ from . import workloads
 from .external import memory_estimate
 from .systems import make_optimizer, standard_step
 
-_STAGE_KEYS = ("peak_bytes", "peak_bytes_allocated", "peak_node", "persistent_inputs")
+_STAGE_KEYS = ("peak_bytes", "peak_bytes_allocated", "peak_node", "peak_bytes_inductor", "peak_node_inductor",
+               "persistent_inputs")
 
 
 def _no_cuda_memory_stats() -> None:

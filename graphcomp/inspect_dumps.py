@@ -87,14 +87,16 @@ def format_frame(frame: dict[str, Any]) -> str:
         if not m:
             continue
         if "error" in m:
-            mrow.append([stage, "?", "", _short(m["error"], 60)])
+            mrow.append([stage, "?", "", "", _short(m["error"], 60)])
             continue
         where = f"{m.get('peak_node')} ({m.get('peak_op', '')}, node {m.get('peak_index')}/{m.get('num_nodes')})"
         big = ", ".join(f"{x['node']}={_fmt_bytes(x['bytes'])}" for x in m.get("largest_live", [])[:3])
-        mrow.append([stage, _fmt_bytes(m["peak_bytes"]), _short(where, 60), _short(big, 60)])
+        ind = m.get("peak_bytes_inductor")
+        mrow.append([stage, _fmt_bytes(m["peak_bytes"]), "?" if ind is None else _fmt_bytes(ind),
+                     _short(where, 60), _short(big, 60)])
     if mrow:
         out.append("")
-        out.append(_table(mrow, ["stage", "est. peak", "where", "largest live there"]))
+        out.append(_table(mrow, ["stage", "est. peak", "est. peak (Inductor)", "where", "largest live there"]))
     parts = [(stage, p) for stage, st in frame.get("stages", {}).items() for p in st.get("partitions", [])]
     if parts:
         out.append("")

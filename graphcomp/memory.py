@@ -19,6 +19,13 @@ Model (deterministic: it reads only the graph, so every rank computes the same):
   allocated: the communication stream keeps the block from reuse until it is done,
   but it is no longer "allocated").
 
+* ``fused=True`` models what Inductor allocates instead of what the FX graph
+  names: a pointwise value whose every user is a pointwise op or a reduction (and
+  that is not returned) is computed inside its consumers' kernel and never
+  allocated; its inputs stay live until the kernel that reads them (the last
+  materialized consumer); and a pointwise kernel writes its output in place of a
+  same-sized input buffer whose last read it is (Inductor's in-place buffer reuse).
+
 ``estimate(gm)`` gives the peak and the node where it occurs. For the joint
 graph, ``reshard=`` models ``schedule_free``: the listed storages are freed after
 their last forward use and allocated again just before their first backward use
@@ -79,6 +86,44 @@ def storage_root(node: fx.Node, _cache: dict[fx.Node, fx.Node] | None = None) ->
     return n
 
 
+_REDUCTIONS = {
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "std_mean",
+    "argmax", "argmin", "any", "all", "logsumexp",
+}
+_POINTWISE_EXTRA = {"convert_element_type", "_to_copy", "clone", "where", "fill"}
+
+
+def _base_name(node: fx.Node) -> str | None:
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return None
+    return t.overloadpacket.__name__
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    """An elementwise op Inductor fuses into its neighbours' kernels."""
+    name = _base_name(node)
+    if name is None:
+        return False
+    if name in _POINTWISE_EXTRA:
+        if name == "_to_copy":  # a dtype cast only (no device / layout change)
+            return set(node.kwargs) <= {"dtype", "memory_format"}
+        return True
+    return torch.Tag.pointwise in node.target.tags  # type: ignore[union-attr]
+
+
+def is_reduction(node: fx.Node) -> bool:
+    return _base_name(node) in _REDUCTIONS
+
+
+def fuses_away(node: fx.Node) -> bool:
+    """True when Inductor computes ``node`` inside its consumers' kernels: a pointwise
+    value read only by pointwise ops and reductions, not returned, not viewed."""
+    if not is_pointwise(node) or not node.users:
+        return False
+    return all(u.op == "call_function" and (is_pointwise(u) or is_reduction(u)) for u in node.users)
+
+
 def backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes of a joint graph that depend on a tangent (the backward part)."""
     out: set[fx.Node] = set()
@@ -93,7 +138,7 @@ def backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 
 def intervals(
     gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
-    persistent: Iterable[fx.Node] | None = None, inputs_until_wait: bool = True,
+    persistent: Iterable[fx.Node] | None = None, inputs_until_wait: bool = True, fused: bool = False,
 ) -> tuple[list[fx.Node], dict[fx.Node, list[tuple[int, int]]], dict[fx.Node, int]]:
     """(nodes in order, storage root -> live intervals [start, end] inclusive, root -> bytes)."""
     nodes = list(gm.graph.nodes)
@@ -102,6 +147,11 @@ def intervals(
     roots: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         roots[n] = roots[n.args[0]] if is_alias(n) and n.args[0] in roots else n  # type: ignore[index]
+    # where a value is read: at its user, or (fused) where that user's kernel runs
+    away = {n for n in nodes if fused and fuses_away(n)}
+    runs_at: dict[fx.Node, int] = {}
+    for n in reversed(nodes):
+        runs_at[n] = max((runs_at[u] for u in n.users), default=idx[n]) if n in away else idx[n]
     size: dict[fx.Node, int] = {}
     uses: dict[fx.Node, list[int]] = {}
     for n in nodes:
@@ -109,18 +159,19 @@ def intervals(
             continue
         r = roots[n]
         if r is n:
-            size[r] = value_bytes(n)
+            size[r] = 0 if n in away else value_bytes(n)
             uses.setdefault(r, [])
         for u in n.users:
             if roots.get(u) is r and u is not r:
                 continue  # an alias of r: its own users count (a view is not a use)
-            uses[r].append(end if u.op == "output" else idx[u])
+            uses[r].append(end if u.op == "output" else runs_at[u])
     # a collective's input buffer is in use until the collective is waited on
     for n in nodes if inputs_until_wait else ():
         if n.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(n.args[0], fx.Node):
             for a in n.args[0].all_input_nodes:
                 if a in roots and a.op != "output":
                     uses[roots[a]].append(idx[n])
+    inplace = _inplace_reuse(nodes, idx, roots, uses, size, away) if fused else {}
     reshard = set(reshard)
     if reshard and bwd is None:
         bwd = backward_nodes(gm)
@@ -137,8 +188,41 @@ def intervals(
                 first_bw = min(bw)
                 live[r] = [(start, max(fw)), (max(first_bw - 1, max(fw) + 1), max(bw))]
                 continue
+        if r in inplace and last == inplace[r]:
+            last -= 1  # the kernel at `last` writes its output into this buffer
         live[r] = [(start, max(last, start))]
     return nodes, live, size
+
+
+def _inplace_reuse(nodes: list[fx.Node], idx: dict[fx.Node, int], roots: dict[fx.Node, fx.Node],
+                   uses: dict[fx.Node, list[int]], size: dict[fx.Node, int], away: set[fx.Node]) -> dict[fx.Node, int]:
+    """Buffers an Inductor pointwise kernel overwrites with its output: root -> the
+    kernel's position. A kernel (a materialized pointwise node) reads the buffers of
+    its inputs, through the producers fused into it; one of them that is not a
+    graph input, has the output's size and is last read by this kernel is reused."""
+    out: dict[fx.Node, int] = {}
+    taken: set[fx.Node] = set()
+    for n in nodes:
+        if n.op != "call_function" or n in away or not is_pointwise(n) or roots[n] is not n or not size.get(n):
+            continue
+        reads, todo, seen = [], list(n.all_input_nodes), set()
+        while todo:
+            a = todo.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if a in away:
+                todo.extend(a.all_input_nodes)
+            else:
+                reads.append(roots[a])
+        i = idx[n]
+        for r in reads:
+            if (r.op != "placeholder" and r not in taken and size.get(r) == size[n]
+                    and max(uses.get(r) or [-1]) == i and not any(u.op == "output" for u in r.users)):
+                out[r] = i
+                taken.add(r)
+                break
+    return out
 
 
 def timeline(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
@@ -226,15 +310,20 @@ def summary(gm: fx.GraphModule, top: int = 5, persistent: Iterable[fx.Node] | No
     occurs (node, its op, position) and the largest storages live there.
     ``peak_bytes`` is the conservative figure the budget uses (collective inputs
     held until their wait); ``peak_bytes_allocated`` is what the CUDA caching
-    allocator reports as allocated (``inputs_until_wait=False``)."""
+    allocator reports as allocated (``inputs_until_wait=False``) when every FX value
+    is materialized (``codegen="eager"``); ``peak_bytes_inductor`` the same with
+    Inductor's fusion and in-place reuse modelled (``fused=True``), with its node."""
     try:
         nodes, live, size = intervals(gm, persistent=persistent)
         est = _estimate_from(nodes, live, size)
         alloc = estimate(gm, persistent=persistent, inputs_until_wait=False)
+        ind = estimate(gm, persistent=persistent, inputs_until_wait=False, fused=True)
     except Exception as e:  # a graph the model does not understand: say so, never fail the compile
         return {"error": f"{type(e).__name__}: {e}"}
     out = est.to_json()
     out["peak_bytes_allocated"] = alloc.peak_bytes
+    out["peak_bytes_inductor"] = ind.peak_bytes
+    out["peak_node_inductor"] = ind.peak_node
     out["persistent_inputs"] = None if persistent is None else len(list(persistent))
     if est.peak_index >= 0:
         at = est.peak_index

@@ -155,3 +155,61 @@ def test_persistent_inputs_of_stage_graphs():
     bwd = torch.fx.symbolic_trace(lambda primals_1, mul, tangents_1: (tangents_1 * primals_1 + mul,))
     phs = {n.name: n for n in bwd.graph.nodes if n.op == "placeholder"}
     assert memory.persistent_inputs(bwd, "bwd", [0, 1]) == {phs["primals_1"]}
+
+
+def test_fused_model_drops_pointwise_intermediates_and_reuses_in_place():
+    # y = (x * 2 + 1).exp() read by a matmul: Inductor computes mul/add/exp in one
+    # kernel, so only its output is allocated; s = y.sum() reads y (no new buffer)
+    def f(x, w):
+        a = x * 2  # fused into exp's kernel
+        b = a + 1  # fused
+        y = b.exp()  # materialized: a matmul reads it
+        z = y @ w
+        r = torch.relu(z)  # pointwise, same size as z, z's last reader: written in place of z
+        return r, (r * r).sum()  # r is returned: materialized; r * r fuses into the sum
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    gm = trace(f, x, w)
+    plain = memory.estimate(gm)
+    fused = memory.estimate(gm, fused=True)
+    nodes, live, size = memory.intervals(gm, fused=True)
+    assert size[_node(gm, "mul")] == 0 and size[_node(gm, "add")] == 0
+    assert size[_node(gm, "exp")] == 64 * 64 * 4
+    mm, relu = _node(gm, "mm"), _node(gm, "relu")
+    (s, e), = live[mm]
+    assert e == nodes.index(relu) - 1  # relu writes into mm's buffer
+    assert size[_node(gm, "mul_1")] == 0  # r * r: computed inside the sum's kernel
+    # unfused: x, w and two 16 KiB values at every step; at the sum also its 4 B
+    assert plain.peak_bytes == 4 * 16384 + 4 and plain.peak_node == "sum_1"
+    # fused: x, w, y and z while the matmul runs; relu reuses z, so never 5 buffers
+    assert fused.peak_bytes == 4 * 16384 and fused.peak_node == "mm"
+    assert memory.timeline(gm, fused=True)[nodes.index(relu)] == 3 * 16384  # x, w, z (now r)
+
+
+def test_fused_value_keeps_its_inputs_alive_until_the_kernel_runs():
+    # a is read by mul (fused away); mul's kernel is the one computing `out` later,
+    # after big is allocated: a must still be live there
+    def f(x):
+        a = x.exp()  # materialized: a view (reshape) of it is returned below
+        m = a * 3  # fused into its consumer
+        big = torch.ones(4096)  # 16 KiB
+        out = m.sum() + big.sum()
+        return out, a.view(-1)
+
+    gm = trace(f, torch.randn(1024))
+    nodes, live, size = memory.intervals(gm, fused=True)
+    assert size[_node(gm, "mul")] == 0
+    # exp is live through the end (returned through a view) in both models
+    assert live[_node(gm, "exp")][0][1] == len(nodes) - 1
+    x_only = memory.estimate(gm, fused=True)
+    assert x_only.peak_bytes >= 4096 + 4096 + 16384  # x, a, big at once
+
+
+def test_summary_reports_the_inductor_estimate():
+    def f(x):
+        return ((x * 2) + 1).sum()
+
+    gm = trace(f, torch.randn(1024))
+    s = memory.summary(gm)
+    assert s["peak_bytes_allocated"] == 3 * 4096  # x, mul and add materialized
+    assert s["peak_bytes_inductor"] == 4096 + 4  # x and the sum only
