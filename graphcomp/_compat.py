@@ -264,6 +264,17 @@ def storage_use_count(t: torch.Tensor) -> int:
     return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
+def storage_handle(t: torch.Tensor) -> int:
+    """An integer naming ``t``'s StorageImpl, valid while a tensor on it is held
+    (for :func:`storage_refs`: cheaper than :func:`storage_use_count` per call)."""
+    return int(t.untyped_storage()._cdata)
+
+
+def storage_refs(handle: int) -> int:
+    """Use count of the storage ``handle`` (from :func:`storage_handle`) names."""
+    return int(torch._C._storage_Use_Count(handle))
+
+
 def boxed_false() -> Any:
     """``BoxedBool(False)``: the ``cudagraphs`` kwarg that keeps Inductor from
     capturing CUDA graphs itself (graphcomp's runners own capture)."""

@@ -22,6 +22,7 @@ Codegen = Literal["inductor", "eager"]
 CudaGraphsMode = Literal["off", "auto", "require"]
 StaticCheck = Literal["first", "always"]
 AddressChange = Literal["error", "recapture"]
+OutputCopy = Literal["auto", "always"]
 
 
 @dataclass(kw_only=True)
@@ -111,6 +112,18 @@ class Config:
     input and the fix (keep parameters in place: ``copy_`` into them, never
     reassign ``.data``); ``"recapture"`` captures the piece again (counted in
     ``graphcomp.counters['recaptures']``)."""
+
+    copy_outputs: OutputCopy = "auto"
+    """How a captured piece hands out the values that leave graphcomp (the loss,
+    logits, and gradients bound for ``param.grad``); they live in the shared
+    CUDA-graph pool, which later replays overwrite. ``"always"`` copies them out of
+    the pool after every replay (costs their size in memory and a copy per step).
+    ``"auto"`` hands them out without a copy; before every replay graphcomp checks
+    (storage use counts) that nothing it could overwrite is still referenced. The
+    first time one is (gradient accumulation without ``zero_grad(set_to_none=True)``,
+    a loss kept across steps), the piece that produced it copies that output from
+    then on, and the piece about to replay is captured again around the live
+    tensor (``graphcomp.counters['hazard_recaptures']``); it is never overwritten."""
 
     debug: bool = False
     """Extra checks and logging: lint every graph after every pass (a pass that

@@ -115,6 +115,7 @@ def compile_pieces(
             impl: Any = CudaGraphRunner(
                 f"{stage}/{name}", compiled, p["input_kinds"],
                 clone_outputs=set(p["clone_outputs"]),
+                copy_outputs=cfg.copy_outputs,
                 max_captures=cfg.max_captures,
                 check_static_inputs=cfg.check_static_inputs,
                 on_address_change=cfg.on_address_change,

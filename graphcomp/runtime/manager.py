@@ -7,7 +7,10 @@ drops everything). It holds:
 * the side stream every warm-up and capture runs on,
 * weak references to every :class:`~graphcomp.runtime.runner.CudaGraphRunner`, so
   :func:`teardown` can release all graphs,
-* the capture depth behind :func:`is_capturing`.
+* the capture depth behind :func:`is_capturing`,
+* the pool's output ledger (:class:`PoolLedger`): which captured graphs handed
+  out tensors that live in the pool, in capture order, so a replay never
+  overwrites one that is still referenced.
 
 Counters go to ``graphcomp.counters`` (``pieces_captured``, ``pieces_eager``,
 ``captures``, ``recaptures``, ``replays``, ``cudagraph_fallbacks``,
@@ -65,6 +68,69 @@ class CudaDevice:
         return torch.cuda.is_available()
 
 
+class PoolLedger:
+    """Which pool tensors are handed out, and who may overwrite them.
+
+    Every capture gets a sequence number (``seq``) in capture order. A graph's
+    replay writes only pool memory that was free while it was captured; memory
+    of tensors that were alive then is never touched. The outputs of earlier
+    captures were alive (their runner holds them), so the only tensors a replay of
+    capture ``c`` can overwrite are the outputs of captures with ``seq >= c``
+    (itself included: its own previous outputs). ``entries`` are those captures
+    (and ``orphans``: released captures whose outputs a user still holds) whose
+    handed-out outputs have not yet been seen dead; ``conflicts(seq)`` lists the
+    live ones a replay of ``seq`` would overwrite (by storage use count). A piece
+    whose inputs come from a newer capture (one re-captured after it) sees those
+    inputs as live outputs with a higher seq, so it is captured again too."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.entries: list[Any] = []
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def handed_out(self, cap: Any) -> None:
+        if cap.tracked and cap not in self.entries:
+            self.entries.append(cap)
+
+    def conflicts(self, seq: int) -> list[tuple[Any, list[int]]]:
+        """(capture, live output indices) for every capture with seq >= ``seq``
+        whose handed-out outputs are still referenced; forgets the dead ones."""
+        out, keep = [], []
+        for cap in self.entries:
+            if cap.seq < seq and not cap.orphan:
+                keep.append(cap)
+                continue
+            alive = cap.alive_outputs()
+            if alive and cap.seq < seq:  # an older orphan, still held: harmless to this replay
+                keep.append(cap)
+                continue
+            if alive:
+                out.append((cap, alive))
+                keep.append(cap)
+            else:
+                cap.orphan_done()
+        self.entries = keep
+        return out
+
+    def forget(self, cap: Any, keep_if_alive: bool) -> bool:
+        """A capture is released. Its outputs a user still holds stay tracked (an
+        orphan: older pieces' replays must not overwrite them; dropped once dead)
+        unless ``keep_if_alive`` is False (teardown). True when it stays tracked."""
+        if cap in self.entries:
+            if keep_if_alive and cap.alive_outputs():
+                return True
+            self.entries.remove(cap)
+        return False
+
+    def clear(self) -> None:
+        for cap in self.entries:
+            cap.orphan_done()
+        self.entries = []
+
+
 class Runtime:
     def __init__(self) -> None:
         self.device: Any = CudaDevice()
@@ -74,6 +140,7 @@ class Runtime:
         self.runners: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._capturing = 0
         self._setup_done = False
+        self.ledger = PoolLedger()
 
     # ------------------------------------------------------------- set-up
     def ensure(self) -> None:
@@ -132,6 +199,7 @@ class Runtime:
                 pass
         if n:
             log.info("graphcomp: released %d CUDA graph(s)", n)
+        self.ledger.clear()
         return n
 
     def reset(self) -> None:
@@ -141,6 +209,7 @@ class Runtime:
         self.stream = None
         self._capturing = 0
         self._setup_done = False
+        self.ledger = PoolLedger()
 
 
 RUNTIME = Runtime()

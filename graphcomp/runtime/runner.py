@@ -11,23 +11,29 @@ the piece runs eagerly with a warning. For each capture::
     replay   : copy "copy" inputs into static buffers (one torch._foreach_copy_),
                check static addresses, replay, hand outputs back
 
-Output safety (never silent stale data):
+Output safety (never silent stale data). Outputs are handed out as aliases of
+the pool tensors; ``RUNTIME.ledger`` (:class:`~graphcomp.runtime.manager.PoolLedger`)
+knows, by capture order, which handed-out tensors a replay could overwrite (its
+own previous outputs, and those of pieces captured after it) and checks their
+storage use counts before every replay. When one is still referenced:
 
-* outputs named in ``clone_outputs`` (user-visible forward outputs such as the loss
-  and logits, and every backward output = gradients that land in ``param.grad``)
-  are cloned out of the pool after each replay;
-* every other output (saved activations, values passed to the next piece) is
-  handed out as an alias of the pool tensor; before the next replay the runner
-  checks the storage use count of those tensors. If anything outside the runner
-  still holds one (the backward of the previous forward has not run yet: two
-  forwards before one backward), the call runs eagerly instead of overwriting it
-  (``cudagraph_fallbacks`` counter, one warning per runner).
+* a *visible* output (``clone_outputs``: the loss, logits, every backward output =
+  gradients bound for ``param.grad``) held by user code: its piece copies that
+  output out of the pool from then on, and the piece about to replay is captured
+  again around the live tensor (``hazard_recaptures``); with
+  ``Config.copy_outputs="always"`` visible outputs are always copied;
+* this piece's own internal output (a saved activation whose backward has not
+  run: two forwards before one backward): this call runs eagerly instead
+  (``cudagraph_fallbacks``, one warning per runner);
+* an internal output of a piece captured after this one (it was re-captured, so
+  this piece's inputs now come from it): this piece is captured again.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,22 +67,41 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _use_count(t: torch.Tensor) -> int:
-    from .. import _compat
-
-    return _compat.storage_use_count(t)
-
-
 class _Capture:
-    def __init__(self) -> None:
+    def __init__(self, runner: "CudaGraphRunner") -> None:
+        self.runner = weakref.ref(runner)
+        self.seq = RUNTIME.ledger.next_seq()  # capture order (see PoolLedger)
         self.graph: Any = None
         self.inputs: list[Any] = []  # static input objects (buffers for "copy" inputs)
         self.ptrs: list[int | None] = []  # captured data_ptr per tensor input
         self.outputs: list[Any] = []
-        self.live_check: list[tuple[int, int]] = []  # (output idx, baseline use count)
+        # per pool storage the outputs live in: (storage handle, use count with only
+        # the runner's references, output indices on it)
+        self.tracked: list[tuple[int, int, list[int]]] = []
         self.replays = 0
+        self.orphan = False  # released, but a user still holds some of its outputs
 
-    def release(self) -> None:
+    def track_outputs(self, exclude_storages: set[int]) -> None:
+        from .. import _compat
+
+        by_storage: dict[int, list[int]] = {}
+        for i, o in enumerate(self.outputs):
+            if isinstance(o, torch.Tensor) and _storage_ptr(o) not in exclude_storages:
+                by_storage.setdefault(_compat.storage_handle(o), []).append(i)
+        self.tracked = [(h, _compat.storage_refs(h), idxs) for h, idxs in by_storage.items()]
+
+    def alive_outputs(self) -> list[int]:
+        """Indices of handed-out outputs something outside the runner still holds."""
+        from .. import _compat
+
+        return [i for h, base, idxs in self.tracked if _compat.storage_refs(h) > base for i in idxs]
+
+    def orphan_done(self) -> None:
+        """The ledger stopped tracking this capture; a released one drops its outputs."""
+        if self.orphan or self.graph is None:
+            self.outputs, self.tracked, self.orphan = [], [], False
+
+    def release(self, keep_live_outputs: bool = True) -> None:
         if self.graph is not None:
             try:
                 self.graph.reset()
@@ -84,8 +109,10 @@ class _Capture:
                 pass
         self.graph = None
         self.inputs = []
-        self.outputs = []
-        self.live_check = []
+        if RUNTIME.ledger.forget(self, keep_live_outputs):
+            self.orphan = True  # keeps `outputs` (the storage handles must stay valid) until they die
+        else:
+            self.outputs, self.tracked = [], []
 
 
 class CudaGraphRunner:
@@ -98,6 +125,7 @@ class CudaGraphRunner:
         input_kinds: Sequence[str],
         *,
         clone_outputs: set[int] | None = None,
+        copy_outputs: str = "auto",
         max_captures: int = 8,
         check_static_inputs: str = "first",
         on_address_change: str = "error",
@@ -107,7 +135,11 @@ class CudaGraphRunner:
         self.name = name
         self.fn = fn  # boxed: fn(list) -> sequence of outputs
         self.kinds = list(input_kinds)
-        self.clone_outputs = set(clone_outputs or ())
+        self.visible = set(clone_outputs or ())  # outputs that leave graphcomp (user code, param.grad)
+        # visible outputs copied out of the pool after each replay: all of them with
+        # copy_outputs="always"; with "auto" the ones seen still held at a later replay
+        self.copy_now = set(self.visible) if copy_outputs == "always" else set()
+        self.hazard_recaptures = 0
         self.max_captures = max_captures
         self.check_always = check_static_inputs == "always"
         self.recapture = on_address_change == "recapture"
@@ -139,7 +171,7 @@ class CudaGraphRunner:
         """Drop every capture; ``final`` (teardown) also makes later calls eager."""
         n = sum(1 for c in self.captures.values() if c.graph is not None)
         for c in self.captures.values():
-            c.release()
+            c.release(keep_live_outputs=not final)
         self.captures.clear()
         self.released = self.released or final
         return n
@@ -149,7 +181,7 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------ capture
     def _capture(self, args: Sequence[Any]) -> _Capture:
-        cap = _Capture()
+        cap = _Capture(self)
         static_in: list[Any] = []
         for a, kind in zip(args, self.kinds):
             if isinstance(a, torch.Tensor) and kind == "copy":
@@ -173,11 +205,9 @@ class CudaGraphRunner:
         dev.wait(dev.current_stream(), stream)
         cap.graph = g
         cap.outputs = list(outs)
-        in_storages = {_storage_ptr(a) for a, k in zip(static_in, self.kinds) if isinstance(a, torch.Tensor) and k != "copy"}
-        for i, o in enumerate(cap.outputs):
-            if isinstance(o, torch.Tensor) and i not in self.clone_outputs and _storage_ptr(o) not in in_storages:
-                cap.live_check.append((i, 0))
-        cap.live_check = [(i, _use_count(cap.outputs[i])) for i, _ in cap.live_check]
+        # outputs that alias a parameter / saved input are not pool memory: not tracked
+        cap.track_outputs({_storage_ptr(a) for a, k in zip(static_in, self.kinds)
+                           if isinstance(a, torch.Tensor) and k != "copy"})
         # hold only our own static buffers: a non-copy input (a saved activation,
         # another piece's output) must not be kept alive by this capture
         self._static_slots = [i for i, (a, k) in enumerate(zip(static_in, self.kinds)) if isinstance(a, torch.Tensor) and k != "copy"]
@@ -219,8 +249,27 @@ class CudaGraphRunner:
             moved.append(i)
         return ("demote", moved) if moved else (None, [])
 
-    def _outputs_alive(self, cap: _Capture) -> bool:
-        return any(_use_count(cap.outputs[i]) > base for i, base in cap.live_check)
+    def _hazard(self, cap: _Capture) -> str | None:
+        """None when replaying ``cap`` overwrites nothing still referenced; else
+        "eager" (its own saved activations are alive) or "recapture" (see the module
+        docstring; visible outputs found alive switch their piece to copying)."""
+        conflicts = RUNTIME.ledger.conflicts(cap.seq)
+        if not conflicts:
+            return None
+        for c, alive in conflicts:
+            if c is cap and any(i not in self.visible for i in alive):
+                return "eager"
+        for c, alive in conflicts:
+            r = c.runner()
+            if r is None:
+                continue
+            new = sorted(i for i in alive if i in r.visible and i not in r.copy_now)
+            if new:
+                r.copy_now.update(new)
+                log.info("graphcomp: piece %s: output(s) %s handed out of the CUDA-graph pool are still referenced "
+                         "when %s replays (gradient accumulation, a kept loss); copying them out of the pool from "
+                         "now on", r.name, new, self.name)
+        return "recapture"
 
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any) -> tuple[Any, ...]:
@@ -236,11 +285,22 @@ class CudaGraphRunner:
                 return self._eager(args)
             cap = self._capture(args)
             self.captures[sig] = cap
-        elif self._outputs_alive(cap):
-            self._warn("alive", f"graphcomp: piece {self.name}: outputs of its previous replay are still referenced "
-                                f"(e.g. two forwards before one backward); running this call eagerly instead of "
-                                f"overwriting them")
-            return self._eager(args)
+        else:
+            hazard = self._hazard(cap)
+            if hazard == "recapture" and self.hazard_recaptures >= 2 * self.max_captures:
+                hazard = "eager"  # never loop on re-captures: a pattern the ledger cannot settle
+            if hazard == "eager":
+                self._warn("alive", f"graphcomp: piece {self.name}: outputs of an earlier replay are still referenced "
+                                    f"(e.g. two forwards before one backward); running this call eagerly instead of "
+                                    f"overwriting them")
+                return self._eager(args)
+            if hazard == "recapture":
+                log.info("graphcomp: piece %s: capturing again around tensors still referenced in the pool", self.name)
+                cap.release()
+                self.hazard_recaptures += 1
+                STATE.counters["hazard_recaptures"] += 1
+                cap = self._capture(args)
+                self.captures[sig] = cap
         what, slots = self._check_static(cap, args)
         if what == "demote":
             # a saved activation / piece output produced outside a stable graph (an eager
@@ -272,11 +332,12 @@ class CudaGraphRunner:
                 cap.inputs[i] = None
         cap.replays += 1
         STATE.counters["replays"] += 1
+        RUNTIME.ledger.handed_out(cap)
         out = []
         for i, o in enumerate(cap.outputs):
             if not isinstance(o, torch.Tensor):
                 out.append(o)
-            elif i in self.clone_outputs:
+            elif i in self.copy_now:
                 out.append(o.clone())
                 STATE.counters["cudagraph_output_copy_bytes"] += o.numel() * o.element_size()
             else:

@@ -19,7 +19,12 @@ from graphcomp.runtime.runner import CudaGraphRunner, StaticAddressError
 
 
 class FakeGraph:
-    def __init__(self):
+    """Replays into its captured outputs, and, as the worst case of a shared pool,
+    scribbles over every pool output of graphs captured after it (their memory may
+    overlap this graph's scratch space: it was free while this one was captured)."""
+
+    def __init__(self, device):
+        self.device = device
         self.fn = None
         self.inputs = None
         self.outputs = None
@@ -30,6 +35,14 @@ class FakeGraph:
         for o, n in zip(self.outputs, new):
             if isinstance(o, torch.Tensor):
                 o.copy_(n)
+        later = self.device.captured[self.device.captured.index(self) + 1:]
+        for g in later:
+            for t in g.pool_outputs():
+                t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    def pool_outputs(self):
+        ins = {a.untyped_storage().data_ptr() for a in self.inputs if isinstance(a, torch.Tensor)}
+        return [o for o in self.outputs if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in ins]
 
     def reset(self):
         self.released = True
@@ -38,6 +51,7 @@ class FakeGraph:
 class FakeDevice(manager.CudaDevice):
     def __init__(self):
         self.capturing_seen = []
+        self.captured = []  # graphs in capture order (FakeGraph.replay scribbles on later ones)
 
     def pool_handle(self):
         return ("pool",)
@@ -55,11 +69,14 @@ class FakeDevice(manager.CudaDevice):
         return contextlib.nullcontext()
 
     def new_graph(self):
-        return FakeGraph()
+        return FakeGraph(self)
 
     def capture(self, g, pool, stream, fn, inputs):
         g.fn, g.inputs = fn, inputs  # the runner's list: it fills static slots before each replay
         g.outputs = list(fn(list(inputs)))
+        self.captured.append(g)
+        # the graph holds its outputs' memory, not the tensor objects: a weak view
+        # would do, but the runner keeps the same objects alive anyway
         return g.outputs
 
     def synchronize(self):
@@ -82,6 +99,7 @@ def fake_device(monkeypatch):
 
 
 def make_runner(fn, kinds, **kw):
+    kw.setdefault("copy_outputs", "always")  # the tests below "auto" say so
     calls = {"n": 0, "capturing": []}
 
     def boxed(args):
@@ -315,7 +333,10 @@ def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
     opt_m = torch.optim.SGD(m.parameters(), lr=1e-4)
     tol = dict(rtol=1e-4, atol=1e-4) if codegen == "inductor" else dict(rtol=1e-5, atol=1e-6)
     losses, refs = [], []
-    for step in range(4):
+    settled = None
+    for step in range(6):
+        if step == 4:  # steps 1, 2: hazard re-captures; 3: the backward demotes x (new every step)
+            settled = graphcomp.counters["captures"]
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         lr_, lm = ref(x), cm(x)
         lr_.backward()
@@ -335,7 +356,11 @@ def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
     modes = [p["mode"] for p in frame["stages"]["fwd"]["partitions"]]
     assert "cudagraph" in modes and "eager" in modes
     captured = [p for p in frame["stages"]["fwd"]["partitions"] if p["mode"] == "cudagraph"]
-    assert all(p["captures"] == 1 and p["pool_bytes"] > 0 for p in captured), captured
+    # copy_outputs="auto": the kept loss (step 1) and the gradients kept by
+    # zero_grad(set_to_none=False) (step 2) each re-capture the forward pieces once
+    # (their pieces copy those outputs from then on); no capture after that
+    assert all(1 <= p["captures"] <= 3 and p["pool_bytes"] > 0 for p in captured), captured
+    assert c["hazard_recaptures"] >= 1 and c["captures"] == settled, dict(c)
     from graphcomp.inspect_dumps import format_frame
 
     text = format_frame(frame)
@@ -360,3 +385,87 @@ def test_end_to_end_two_microbatches_accumulate(pretend_cuda):
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
         ref.zero_grad(); m.zero_grad()
     assert graphcomp.counters["cudagraph_fallbacks"] >= 1  # the second forward ran eagerly
+
+
+# ---------------------------------------------------- copy_outputs="auto" (the pool ledger)
+def test_auto_hands_visible_outputs_out_uncopied_until_one_is_kept():
+    w = torch.randn(3, 3)
+    r, _ = make_runner(lambda w, x: ((x @ w).sum(),), ["param", "copy"], clone_outputs={0}, copy_outputs="auto")
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        assert r(w, x)[0].item() == (x @ w).sum().item()  # dropped at once
+    c = graphcomp.counters
+    assert c["captures"] == 1 and c["cudagraph_output_copy_bytes"] == 0 and c["hazard_recaptures"] == 0
+    x1, x2, x3 = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    (kept,) = r(w, x1)  # kept across the next call: a kept loss
+    (l2,) = r(w, x2)  # must not overwrite `kept`: captured again around it, copies from now on
+    (l3,) = r(w, x3)
+    assert kept.item() == (x1 @ w).sum().item()
+    assert l2.item() == (x2 @ w).sum().item() and l3.item() == (x3 @ w).sum().item()
+    assert c["hazard_recaptures"] == 1 and c["captures"] == 2 and r.copy_now == {0}
+    assert c["cudagraph_output_copy_bytes"] == 2 * 4
+
+
+def test_replay_never_overwrites_live_outputs_of_a_piece_captured_later():
+    """A forward piece captured first, a backward piece captured after it (its
+    gradients may sit in the forward's scratch space). Gradients kept past the next
+    forward (accumulation) must survive that forward's replay."""
+    w = torch.randn(3, 3)
+    fwd, _ = make_runner(lambda w, x: ((x @ w).relu(),), ["param", "copy"], copy_outputs="auto")
+    bwd = CudaGraphRunner("bwd/piece_0", lambda a: [a[0] * 2], ["copy"], clone_outputs={0}, copy_outputs="auto")
+    x1, x2 = torch.randn(2, 3), torch.randn(2, 3)
+    (h1,) = fwd(w, x1)
+    (g1,) = bwd(h1)  # "param.grad": kept
+    del h1
+    (h2,) = fwd(w, x2)  # would scribble over g1 in a shared pool
+    torch.testing.assert_close(g1, (x1 @ w).relu() * 2, rtol=0, atol=0)
+    torch.testing.assert_close(h2, (x2 @ w).relu(), rtol=0, atol=0)
+    assert bwd.copy_now == {0} and graphcomp.counters["hazard_recaptures"] == 1
+    (g2,) = bwd(h2)  # its input now comes from a newer capture: captured again too
+    torch.testing.assert_close(g2, (x2 @ w).relu() * 2, rtol=0, atol=0)
+    torch.testing.assert_close(g1, (x1 @ w).relu() * 2, rtol=0, atol=0)
+    n = graphcomp.counters["captures"]
+    for _ in range(3):  # settled: replays only
+        del h2, g2
+        (h2,) = fwd(w, x2)
+        (g2,) = bwd(h2)
+        torch.testing.assert_close(g2, (x2 @ w).relu() * 2, rtol=0, atol=0)
+    assert graphcomp.counters["captures"] == n
+
+
+def test_released_capture_keeps_tracking_outputs_a_user_holds():
+    """R's first capture is released (re-captured around its kept output); that
+    output is an orphan, still protected from Q, which was captured before R."""
+    q, _ = make_runner(lambda x: (x + 1,), ["copy"], copy_outputs="auto")
+    r = CudaGraphRunner("fwd/piece_r", lambda a: [a[0] * 3], ["copy"], clone_outputs={0}, copy_outputs="auto")
+    q(torch.zeros(4))
+    (o1,) = r(torch.ones(4))
+    r(torch.ones(4) * 2)  # o1 held: R re-captured, its first capture released
+    assert any(c.orphan for c in runtime.RUNTIME.ledger.entries)
+    q(torch.zeros(4))  # Q must not replay over o1: captured again instead
+    assert o1.tolist() == [3.0] * 4
+    del o1
+    q(torch.zeros(4))  # the orphan is dead now: forgotten, its pool tensors dropped
+    assert not any(c.orphan for c in runtime.RUNTIME.ledger.entries)
+
+
+def test_end_to_end_set_to_none_training_needs_no_output_copies(pretend_cuda):
+    ref, m = ItemModel(), ItemModel()
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "min_piece_nodes": 1})
+    opt_r = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    opt_m = torch.optim.SGD(m.parameters(), lr=1e-2)
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        ref(x).backward()
+        cm(x).backward()
+        for a, b in zip(ref.parameters(), m.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+        opt_r.step(); opt_m.step()
+        opt_r.zero_grad(set_to_none=True); opt_m.zero_grad(set_to_none=True)
+    c = graphcomp.counters
+    assert c["replays"] >= 8 and c["hazard_recaptures"] == 0 and c["cudagraph_output_copy_bytes"] == 0, dict(c)
+
+
+def test_copy_outputs_option_is_validated():
+    with pytest.raises(ValueError, match=r"copy_outputs.*'sometimes'.*\['auto', 'always'\]"):
+        graphcomp.Config.from_options({"copy_outputs": "sometimes"})

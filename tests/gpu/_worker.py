@@ -5,10 +5,12 @@ Each rank writes ``OUTDIR/<scenario>.rank<R>.json``. Scenarios:
 * ``train``   : sharded Llama, 20 steps CUDA graphs off vs on (eager codegen: bitwise;
                 Inductor codegen: within float tolerance), peak memory
                 off vs on, loss of step N read after step N+1, 2 micro-batches
-                (two forwards, one backward) vs the same with graphs off;
+                (two forwards, one backward) and gradient accumulation
+                (forward/backward twice) vs the same with graphs off;
                 graphcomp.runtime.teardown() then destroy_process_group.
-* ``memory``  : peak memory CUDA graphs off vs on (demo preset, Inductor), per-step
-                peaks, pool bytes, the capture stream's cuBLAS workspace.
+* ``memory``  : peak memory (allocated and reserved) CUDA graphs off vs on
+                (copy_outputs auto / always), W1 model, Inductor; the capture
+                stream's cuBLAS workspace.
 * ``exit``    : captures graphs with collectives and calls destroy_process_group
                 WITHOUT teardown (the wrapped destroy / atexit must release them);
                 the parent checks the process exits in time.
@@ -42,7 +44,7 @@ def _model(preset: str, seed: int = 0) -> torch.nn.Module:
     return m
 
 
-def _train(preset, options, steps, batch, seq, micro=1):
+def _train(preset, options, steps, batch, seq, micro=1, interleaved=False):
     torch._dynamo.reset()
     m = _model(preset)
     cm = torch.compile(m, backend="graphcomp", options=options)
@@ -61,6 +63,11 @@ def _train(preset, options, steps, batch, seq, micro=1):
             tok, tgt = synthetic_batch(m.cfg, batch, seq, seed=1000 * rank + step, device="cuda")
             loss = cm(tok, tgt)
             loss.backward()
+        elif interleaved:  # gradient accumulation: forward, backward, forward, backward
+            for k in range(micro):
+                tok, tgt = synthetic_batch(m.cfg, batch, seq, seed=1000 * rank + 10 * step + k, device="cuda")
+                loss = cm(tok, tgt)
+                loss.backward()
         else:  # two forwards, then one backward of the summed losses
             ls = []
             for k in range(micro):
@@ -71,6 +78,7 @@ def _train(preset, options, steps, batch, seq, micro=1):
         opt.step()
         opt.zero_grad(set_to_none=(step % 2 == 0))
         losses.append(loss.detach())  # read only at the end: step N after step N+1
+        torch.cuda.synchronize()
         step_peaks.append(torch.cuda.max_memory_allocated() - base)
         step_reserved.append(torch.cuda.max_memory_reserved())
         peak = max(peak, step_peaks[-1])
@@ -142,28 +150,45 @@ def scenario_train(out):
     res["accum_losses_equal"] = acc_off["loss_bits"] == acc_on["loss_bits"]
     res["accum_params_equal"] = all(torch.equal(a, b) for a, b in zip(acc_off["params"], acc_on["params"]))
     res["accum_counters"] = acc_on["counters"]
+    # gradient accumulation, forward/backward twice per step: the first micro-batch's
+    # gradients (param.grad) are alive while the second forward replays
+    graphcomp.reset()
+    ga_off = _train(preset, {"codegen": "eager", "cudagraphs": "off"}, 4, 2, 32, micro=2, interleaved=True)
+    graphcomp.reset()
+    ga_on = _train(preset, {"codegen": "eager", "cudagraphs": "auto"}, 4, 2, 32, micro=2, interleaved=True)
+    res["gradacc_losses_equal"] = ga_off["loss_bits"] == ga_on["loss_bits"]
+    res["gradacc_params_equal"] = all(torch.equal(a, b) for a, b in zip(ga_off["params"], ga_on["params"]))
+    res["gradacc_counters"] = ga_on["counters"]
     released = graphcomp.runtime.teardown()
     res["released"] = released
     return res
 
 
 def scenario_memory(out):
-    """Peak memory, CUDA graphs off vs on, on a bigger model (demo preset, Inductor
-    as users run it) so fixed overheads do not dominate. The one fixed cost CUDA
-    graphs add is cuBLAS's workspace for the capture stream, measured on a fresh
-    stream."""
-    res = {"capture_stream_workspace": _stream_workspace_bytes()}
-    graphcomp.reset()
-    moff = _train("demo", {"codegen": "inductor", "cudagraphs": "off"}, 4, 16, 128)
-    graphcomp.reset()
-    mon = _train("demo", {"codegen": "inductor", "cudagraphs": "auto"}, 4, 16, 128)
-    res["mem_peak_off"], res["mem_peak_on"] = moff["peak"], mon["peak"]
-    res["mem_ratio"] = mon["peak"] / max(moff["peak"], 1)
-    res["mem_step_peaks_off"], res["mem_step_peaks_on"] = moff["step_peaks"], mon["step_peaks"]
-    res["mem_pool_bytes_on"] = mon["pool_bytes"]
-    res["mem_step_reserved_off"], res["mem_step_reserved_on"] = moff["step_reserved"], mon["step_reserved"]
-    res["mem_counters_on"] = mon["counters"]
-    graphcomp.runtime.teardown()
+    """Peak memory with CUDA graphs off vs on (copy_outputs "auto", the default, and
+    "always"), on the W1 model (Inductor, as users run it) so fixed overheads do not
+    dominate. Peaks are the steady state (steps 2..), both what the caching
+    allocator counts as allocated and what it reserved from the device: a replay
+    allocates nothing, so only "reserved" sees the pool's scratch memory. The one
+    fixed cost CUDA graphs add, cuBLAS's workspace for the capture stream, is
+    measured on a fresh stream."""
+    res = {"capture_stream_workspace": _stream_workspace_bytes(), "preset": "W1", "batch": 8, "seq": 512}
+    runs = {"off": {"cudagraphs": "off"}, "auto": {"cudagraphs": "auto"},
+            "always": {"cudagraphs": "auto", "copy_outputs": "always"}}
+    for name, opts in runs.items():
+        graphcomp.reset()
+        torch.cuda.empty_cache()
+        r = _train("W1", {"codegen": "inductor", **opts}, 5, 8, 512)
+        res[f"alloc_{name}"] = max(r["step_peaks"][2:])
+        res[f"reserved_{name}"] = max(r["step_reserved"][2:])
+        res[f"step_peaks_{name}"], res[f"step_reserved_{name}"] = r["step_peaks"], r["step_reserved"]
+        res[f"pool_bytes_{name}"] = r["pool_bytes"]
+        res[f"counters_{name}"] = r["counters"]
+        graphcomp.runtime.teardown()
+        del r
+    res["mem_peak_off"], res["mem_peak_on"] = res["reserved_off"], res["reserved_auto"]
+    res["mem_ratio"] = res["reserved_auto"] / max(res["reserved_off"], 1)
+    res["alloc_ratio"] = res["alloc_auto"] / max(res["alloc_off"], 1)
     return res
 
 
