@@ -110,7 +110,12 @@ class _Capture:
         self.graph = None
         self.inputs = []
         if RUNTIME.ledger.forget(self, keep_live_outputs):
-            self.orphan = True  # keeps `outputs` (the storage handles must stay valid) until they die
+            # an orphan: keep only the storages a user still holds (their handles must
+            # stay valid until they die); every other pool output is freed now
+            self.orphan = True
+            alive = set(self.alive_outputs())
+            self.tracked = [t for t in self.tracked if alive.intersection(t[2])]
+            self.outputs = [o if i in alive else None for i, o in enumerate(self.outputs)]
         else:
             self.outputs, self.tracked = [], []
 
