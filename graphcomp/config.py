@@ -114,16 +114,17 @@ class Config:
     ``graphcomp.counters['recaptures']``)."""
 
     copy_outputs: OutputCopy = "auto"
-    """How a captured piece hands out the values that leave graphcomp (the loss,
-    logits, and gradients bound for ``param.grad``); they live in the shared
-    CUDA-graph pool, which later replays overwrite. ``"always"`` copies them out of
-    the pool after every replay (costs their size in memory and a copy per step).
-    ``"auto"`` hands them out without a copy; before every replay graphcomp checks
-    (storage use counts) that nothing it could overwrite is still referenced. The
-    first time one is (gradient accumulation without ``zero_grad(set_to_none=True)``,
-    a loss kept across steps), the piece that produced it copies that output from
-    then on, and the piece about to replay is captured again around the live
-    tensor (``graphcomp.counters['hazard_recaptures']``); it is never overwritten."""
+    """How captured backward pieces hand out the gradients bound for ``param.grad``
+    (they live in the shared CUDA-graph pool, which later replays overwrite).
+    ``"always"`` copies them out of the pool after every replay (costs their size in
+    memory and a copy per step). ``"auto"`` hands them out without a copy; before
+    every replay graphcomp checks (storage use counts) that nothing it could
+    overwrite is still referenced. The first time a gradient is (gradient
+    accumulation, ``zero_grad(set_to_none=False)``), the backward copies its
+    gradients from then on and the piece about to replay is captured again around
+    the live tensor (``graphcomp.counters['hazard_recaptures']``); it is never
+    overwritten. Forward outputs returned to user code (the loss) are always
+    copied: they are small and often kept for logging."""
 
     debug: bool = False
     """Extra checks and logging: lint every graph after every pass (a pass that

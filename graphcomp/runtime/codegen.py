@@ -115,7 +115,9 @@ def compile_pieces(
             impl: Any = CudaGraphRunner(
                 f"{stage}/{name}", compiled, p["input_kinds"],
                 clone_outputs=set(p["clone_outputs"]),
-                copy_outputs=cfg.copy_outputs,
+                # forward outputs (the loss) are small and often kept for logging: always
+                # copied; gradients are handed out of the pool per Config.copy_outputs
+                copy_outputs=cfg.copy_outputs if stage == "bwd" else "always",
                 max_captures=cfg.max_captures,
                 check_static_inputs=cfg.check_static_inputs,
                 on_address_change=cfg.on_address_change,
