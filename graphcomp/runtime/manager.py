@@ -64,13 +64,6 @@ class CudaDevice:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    def release_cached(self) -> None:
-        """Return the caching allocator's unused blocks to the device. Warm-up runs
-        eagerly on the capture stream; the blocks it freed stay cached for that
-        stream, which only warm-ups use, so they would stay reserved for nothing."""
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
     def available(self) -> bool:
         return torch.cuda.is_available()
 

@@ -208,7 +208,6 @@ class CudaGraphRunner:
             g = dev.new_graph()
             outs = dev.capture(g, RUNTIME.pool, stream, self.fn, static_in)
         dev.wait(dev.current_stream(), stream)
-        dev.release_cached()  # the warm-up's memory (see CudaDevice.release_cached)
         cap.graph = g
         cap.outputs = list(outs)
         # outputs that alias a parameter / saved input are not pool memory: not tracked
