@@ -226,3 +226,20 @@ def test_profiler_collective_bytes_by_dtype():
         assert dist.get_world_size() == 1
     assert collective_bytes(prof, 2, 1) == {"all_gather:bfloat16": 40 * 2, "reduce_scatter:float32": 40 * 4}
     assert collective_bytes(prof, 2, 4)["all_gather:bfloat16"] == 40 * 2 * 4
+
+
+def test_trace_overlap_measures_collective_time_under_compute(tmp_path):
+    from benchmarks.trace_overlap import overlap_report
+
+    k = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "ph": "X"}  # noqa: E731
+    events = [
+        k("ncclDevKernel_AllGather_RING_LL", 0, 100),  # compute covers 20..70 and 90..100: 60%
+        k("gemm", 20, 30), k("triton_poi_fused", 40, 30), k("gemm", 90, 20),
+        k("ncclDevKernel_ReduceScatter_Sum_f32", 200, 50),  # alone: 0%
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 200, "dur": 50},  # not a kernel
+    ]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    r = overlap_report(str(p))
+    assert r["AllGather"]["kernels"] == 1 and r["AllGather"]["overlapped_share"] == pytest.approx(0.6)
+    assert r["ReduceScatter"]["overlapped_share"] == 0.0 and "AllReduce" not in r
