@@ -14,7 +14,7 @@ drops everything). It holds:
 
 Counters go to ``graphcomp.counters`` (``pieces_captured``, ``pieces_eager``,
 ``captures``, ``recaptures``, ``replays``, ``cudagraph_fallbacks``,
-``cudagraph_output_copy_bytes``).
+``cudagraph_output_copy_bytes``, ``hazard_recaptures``).
 """
 
 from __future__ import annotations
