@@ -296,11 +296,12 @@ def test_static_input_classification():
     # clone policy: user-visible outputs of captured pieces
     clones = output_users(out, [0])
     assert clones and all(isinstance(v, set) for v in clones.values())
-    # backward: every output that leaves the stage (a gradient) is cloned out of the
-    # pool. Handing gradients out of the pool instead gave wrong results on an H200
-    # (2026-11-22): a kept gradient (zero_grad(set_to_none=False)) was overwritten by
-    # the next forward replay, whose scratch memory overlaps the backward's outputs in
-    # the shared pool. Keep this unless the pools are separated.
+    # backward: every output that leaves the stage (a gradient) is planned as visible.
+    # The runner hands those out of the pool uncopied only under the pool ledger, which
+    # sees a kept gradient (zero_grad(set_to_none=False)) before the next forward replay
+    # could overwrite it (that replay's scratch memory may overlap the backward's
+    # outputs); a gradient missing from this set would get no such protection (an
+    # earlier version without the ledger gave wrong results on an H200, 2026-11-22).
     from graphcomp.passes.cudagraphs import plan_runners
 
     plan = plan_runners(out, "bwd", [0, 1], None)
