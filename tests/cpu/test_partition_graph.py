@@ -300,8 +300,8 @@ def test_static_input_classification():
     # The runner hands those out of the pool uncopied only under the pool ledger, which
     # sees a kept gradient (zero_grad(set_to_none=False)) before the next forward replay
     # could overwrite it (that replay's scratch memory may overlap the backward's
-    # outputs); a gradient missing from this set would get no such protection (an
-    # earlier version without the ledger gave wrong results on an H200, 2026-11-22).
+    # outputs) and switches the backward to copying. A gradient missing from this set
+    # would not be switched: a kept one would re-capture the pieces every step.
     from graphcomp.passes.cudagraphs import plan_runners
 
     plan = plan_runners(out, "bwd", [0, 1], None)
