@@ -258,20 +258,15 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 
 # ------------------------------------------------------------------ CUDA graphs
-def storage_use_count(t: torch.Tensor) -> int:
-    """How many TensorImpls share ``t``'s storage (cudagraph trees use the same
-    private call to detect live outputs)."""
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
 def storage_handle(t: torch.Tensor) -> int:
     """An integer naming ``t``'s StorageImpl, valid while a tensor on it is held
-    (for :func:`storage_refs`: cheaper than :func:`storage_use_count` per call)."""
+    (for :func:`storage_refs`, which the runner calls before every replay)."""
     return int(t.untyped_storage()._cdata)
 
 
 def storage_refs(handle: int) -> int:
-    """Use count of the storage ``handle`` (from :func:`storage_handle`) names."""
+    """How many TensorImpls share the storage ``handle`` (from :func:`storage_handle`)
+    names (cudagraph trees use the same private call to detect live outputs)."""
     return int(torch._C._storage_Use_Count(handle))
 
 

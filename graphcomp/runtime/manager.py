@@ -162,7 +162,7 @@ class Runtime:
                 atexit.register(teardown)
                 _ATEXIT_REGISTERED = True
             self._setup_done = True
-    
+
     def register(self, runner: Any) -> None:
         self.runners.add(runner)
 

@@ -97,8 +97,8 @@ class _Capture:
         return [i for h, base, idxs in self.tracked if _compat.storage_refs(h) > base for i in idxs]
 
     def orphan_done(self) -> None:
-        """The ledger stopped tracking this capture; a released one drops its outputs."""
-        if self.orphan or self.graph is None:
+        """The ledger stopped tracking this capture; an orphan drops what it kept."""
+        if self.orphan:
             self.outputs, self.tracked, self.orphan = [], [], False
 
     def release(self, keep_live_outputs: bool = True) -> None:

@@ -285,13 +285,14 @@ def test_wrap_destroy_process_group_tears_down_first(monkeypatch):
     monkeypatch.setattr(dist, "destroy_process_group", orig)
 
 
-def test_storage_use_count_sees_aliases():
+def test_storage_refs_see_aliases():
     t = torch.zeros(4)
-    base = _compat.storage_use_count(t)
+    h = _compat.storage_handle(t)
+    base = _compat.storage_refs(h)
     v = t.detach()
-    assert _compat.storage_use_count(t) == base + 1
+    assert _compat.storage_refs(h) == base + 1
     del v
-    assert _compat.storage_use_count(t) == base
+    assert _compat.storage_refs(h) == base
 
 
 # ------------------------------------------------ end to end through the backend
