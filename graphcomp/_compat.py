@@ -270,6 +270,38 @@ def storage_refs(handle: int) -> int:
     return int(torch._C._storage_Use_Count(handle))
 
 
+def storage_weakref(t: torch.Tensor) -> Any:
+    """A weak reference to ``t``'s StorageImpl (``.expired()`` once no tensor or
+    storage object holds it); does not keep the memory alive."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def pool_tensors(ptr: int, nbytes: int, device: torch.device, views: Sequence[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Tensors on memory graphcomp's CUDA-graph pool owns, without owning it: one
+    storage over ``nbytes`` at ``ptr`` that frees nothing when it dies (the same
+    private constructor cudagraph trees use for replayed outputs), and one tensor
+    per ``(storage_offset, size, stride, dtype)`` in ``views`` (offsets in elements
+    of that dtype); the views share the one storage."""
+    st = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
+    return [torch.empty((0,), dtype=dt, device=device).set_(st, off, size, stride) for off, size, stride, dt in views]
+
+
+def pin_pool(device_index: int, pool: Any) -> None:
+    """Keep a CUDA-graph memory pool from being freed after its graphs are reset
+    (its free blocks would go back to the device on ``empty_cache``) while tensors
+    built by :func:`pool_tensor` still point into it: one more use of the pool
+    that routes no allocation to it."""
+    torch._C._cuda_beginAllocateToPool(device_index, pool, lambda _stream: False)
+    torch._C._cuda_endAllocateToPool(device_index, pool)
+
+
+def unpin_pool(device_index: int, pool: Any) -> None:
+    """Undo :func:`pin_pool`."""
+    torch._C._cuda_releasePool(device_index, pool)
+
+
 def boxed_false() -> Any:
     """``BoxedBool(False)``: the ``cudagraphs`` kwarg that keeps Inductor from
     capturing CUDA graphs itself (graphcomp's runners own capture)."""

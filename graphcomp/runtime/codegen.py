@@ -10,7 +10,11 @@ submodules) and returns a boxed callable (``fn(list) -> outputs``) for AOTAutogr
 * ``compile_piece(piece_gm, example_inputs, static_idxs)`` compiles it (Inductor
   with ``cudagraphs=BoxedBool(False)``, or the FX graph as is);
 * ``cudagraph`` pieces are wrapped in :class:`CudaGraphRunner`, ``eager`` pieces in
-  :class:`EagerPiece`; the glue graph runs them in Python in the original order.
+  :class:`EagerPiece`; :func:`run_glue` runs the glue graph in the original order,
+  boxed: each piece gets a list it consumes, and the glue drops every value at its
+  last use before the call that uses it last, so a piece that frees an input
+  (Inductor does, after its last read) really frees it (the backward's saved
+  activations, inside its capture too).
 """
 
 from __future__ import annotations
@@ -131,11 +135,59 @@ def compile_pieces(
     split.recompile()
     if report_strides:
         _report_output_strides(split, piece_strides)
+    run = run_glue(split)
+
+    return run
+
+
+def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """A boxed callable that runs the glue graph of ``split`` (placeholders, piece
+    calls, getitems, the output) without keeping any value past its last use."""
+    nodes = list(split.graph.nodes)
+    last: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[a] = i
+    steps: list[tuple[str, fx.Node, Any, list[fx.Node]]] = []
+    for i, n in enumerate(nodes):
+        dead = [a for a in n.all_input_nodes if last[a] == i]
+        dead = list(dict.fromkeys(dead))
+        if n.op == "call_module":
+            mod = getattr(split, str(n.target))
+            steps.append(("piece", n, mod, dead))
+        elif n.op == "call_function":
+            steps.append(("fn", n, n.target, dead))
+        elif n.op == "output":
+            steps.append(("out", n, None, dead))
+        elif n.op != "placeholder":
+            raise NotImplementedError(f"graphcomp: glue graph node {n.format_node()} ({n.op}) is not supported")
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    unused = [p for p in placeholders if p not in last]
 
     def run(args: list[Any]) -> Any:
-        a = list(args)
+        env: dict[fx.Node, Any] = dict(zip(placeholders, args))
         args.clear()
-        return split(*a)
+        for p in unused:
+            del env[p]
+        for kind, n, target, dead in steps:
+            if kind == "piece":
+                vals = list(fx.node.map_arg(n.args, env.__getitem__))
+                for d in dead:
+                    del env[d]
+                impl = target.impl
+                res = impl.call(vals) if hasattr(impl, "call") else impl(*vals)
+                env[n] = res[0] if target.single else res
+                del res, vals  # (no local may keep a value past its last use)
+            elif kind == "fn":
+                a = fx.node.map_arg(n.args, env.__getitem__)
+                kw = fx.node.map_arg(n.kwargs, env.__getitem__)
+                for d in dead:
+                    del env[d]
+                env[n] = target(*a, **kw)
+                del a, kw
+            else:
+                return fx.node.map_arg(n.args[0], env.__getitem__)
+        raise AssertionError("graphcomp: glue graph without an output node")
 
     run._boxed_call = True  # type: ignore[attr-defined]
     run.graphcomp_split = split  # type: ignore[attr-defined]

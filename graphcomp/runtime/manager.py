@@ -55,10 +55,24 @@ class CudaDevice:
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 
-    def capture(self, g: Any, pool: Any, stream: Any, fn: Any, inputs: list[Any]) -> Any:
-        """Capture ``fn(inputs)`` into ``g`` on ``stream`` in ``pool``; returns its outputs."""
+    def capture(self, g: Any, pool: Any, stream: Any, fn: Any, inputs: list[Any], replay_inputs: list[Any]) -> Any:
+        """Capture ``fn(inputs)`` into ``g`` on ``stream`` in ``pool``; returns its
+        outputs. ``fn`` consumes ``inputs`` (boxed). ``replay_inputs`` is the
+        runner's static input list (a CUDA graph reads addresses, not this list)."""
         with torch.cuda.graph(g, pool=pool, stream=stream):
-            return fn(list(inputs))
+            return fn(inputs)
+
+    def pin_pool(self, pool: Any) -> Any:
+        from .. import _compat
+
+        dev = torch.cuda.current_device()
+        _compat.pin_pool(dev, pool)
+        return dev
+
+    def unpin_pool(self, pool: Any, token: Any) -> None:
+        from .. import _compat
+
+        _compat.unpin_pool(token, pool)
 
     def synchronize(self) -> None:
         if torch.cuda.is_available():
@@ -73,15 +87,20 @@ class PoolLedger:
 
     Every capture gets a sequence number (``seq``) in capture order. A graph's
     replay writes only pool memory that was free while it was captured; memory
-    of tensors that were alive then is never touched. The outputs of earlier
-    captures were alive (their runner holds them), so the only tensors a replay of
-    capture ``c`` can overwrite are the outputs of captures with ``seq >= c``
-    (itself included: its own previous outputs). ``entries`` are those captures
-    (and ``orphans``: released captures whose outputs a user still holds) whose
-    handed-out outputs have not yet been seen dead; ``conflicts(seq)`` lists the
-    live ones a replay of ``seq`` would overwrite (by storage use count). A piece
-    whose inputs come from a newer capture (one re-captured after it) sees those
-    inputs as live outputs with a higher seq, so it is captured again too."""
+    of tensors that were alive then is never touched. So a replay of capture ``c``
+    can overwrite
+
+    * the outputs of captures with ``seq >= c`` (itself included: its own previous
+      outputs): their memory may have been free while ``c`` was captured;
+    * released outputs (``runner._Released``: internal outputs the runner does not
+      keep) of older captures whose capture-time tensor had died by the end of
+      ``c``'s capture call (``c.overwrites``): ``c`` may have reused that memory. A
+      tensor passed to the very call (a saved activation the backward consumes) is
+      overwritten only after its last read, as in the capture: not a conflict.
+
+    ``entries`` are the captures (and ``orphans``: released captures whose outputs
+    a user still holds) whose handed-out outputs have not yet been seen dead;
+    ``conflicts`` lists the live ones a replay would overwrite."""
 
     def __init__(self) -> None:
         self.seq = 0
@@ -92,27 +111,50 @@ class PoolLedger:
         return self.seq
 
     def handed_out(self, cap: Any) -> None:
-        if cap.tracked and cap not in self.entries:
+        if (cap.tracked or cap.released) and cap not in self.entries:
             self.entries.append(cap)
 
-    def conflicts(self, seq: int) -> list[tuple[Any, list[int]]]:
-        """(capture, live output indices) for every capture with seq >= ``seq``
-        whose handed-out outputs are still referenced; forgets the dead ones."""
+    def conflicts(self, cap: Any, consumed: set[int]) -> list[tuple[Any, list[int]]]:
+        """(capture, live output indices) a replay of ``cap`` would overwrite;
+        forgets captures whose outputs are all dead. ``consumed``: storage pointers of
+        the tensors passed to this call."""
         out, keep = [], []
-        for cap in self.entries:
-            if cap.seq < seq and not cap.orphan:
-                keep.append(cap)
+        for c in self.entries:
+            if c.seq < cap.seq and not c.orphan and not c.released:
+                keep.append(c)  # owned outputs of an older capture: never in this replay's way
                 continue
-            alive = cap.alive_outputs()
-            if alive and cap.seq < seq:  # an older orphan, still held: harmless to this replay
-                keep.append(cap)
+            alive = c.alive_outputs()
+            if not alive:
+                c.orphan_done()
                 continue
-            if alive:
-                out.append((cap, alive))
-                keep.append(cap)
-            else:
-                cap.orphan_done()
+            keep.append(c)
+            if c.seq >= cap.seq:
+                out.append((c, alive))
+                continue
+            hit = cap.overwrites.get(c)
+            if hit:
+                bad = [i for i in alive if i in c.released_outs and c.released_outs[i][0] in hit
+                       and c.released_outs[i][0] not in consumed]
+                if bad:
+                    out.append((c, bad))
         self.entries = keep
+        return out
+
+    def unsafe(self) -> list[Any]:
+        """Captures with a released output still referenced over memory the allocator
+        counts as free (no capture may run while there is one)."""
+        return [c for c in self.entries if c.released and c.unsafe_storages()]
+
+    def freed_storages(self, cap: Any) -> "weakref.WeakKeyDictionary[Any, set[int]]":
+        """Released storages of other captures whose capture-time tensor is dead now
+        (called at the end of ``cap``'s capture call: ``cap`` may have reused them)."""
+        out: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
+        for c in RUNTIME.all_captures():
+            if c is cap or not c.released:
+                continue
+            dead = {k for k, r in c.released.items() if not r.owner_alive()}
+            if dead:
+                out[c] = dead
         return out
 
     def forget(self, cap: Any, keep_if_alive: bool) -> bool:
@@ -141,6 +183,8 @@ class Runtime:
         self._capturing = 0
         self._setup_done = False
         self.ledger = PoolLedger()
+        self.static_storages: set[int] = set()  # storage pointers of "param" inputs seen at capture
+        self.pinned: list[tuple[Any, Any, list[Any]]] = []  # (pool, token, captures) kept alive by teardown
 
     # ------------------------------------------------------------- set-up
     def ensure(self) -> None:
@@ -166,6 +210,20 @@ class Runtime:
     def register(self, runner: Any) -> None:
         self.runners.add(runner)
 
+    def all_captures(self) -> list[Any]:
+        """Every capture of a live runner, and the ledger's orphans."""
+        caps = [c for r in list(self.runners) for c in r.captures.values()]
+        seen = {id(c) for c in caps}
+        return caps + [c for c in self.ledger.entries if id(c) not in seen]
+
+    def pool_storages(self) -> set[int]:
+        """Storage pointers of every output a captured piece holds or released."""
+        out: set[int] = set()
+        for c in self.all_captures():
+            out.update(c.released)
+            out.update(o.untyped_storage().data_ptr() for o in c.outputs if isinstance(o, torch.Tensor))
+        return out
+
     # ---------------------------------------------------------- capturing
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -185,7 +243,19 @@ class Runtime:
 
     # ----------------------------------------------------------- teardown
     def teardown(self) -> int:
-        """Release every captured graph and static buffer; returns how many graphs."""
+        """Release every captured graph and static buffer; returns how many graphs.
+        While a released output (a saved activation whose backward has not run) is
+        still referenced, the pool it lives in is kept from being freed until it dies."""
+        self._unpin_dead()
+        held = self.ledger.unsafe()
+        if held and self.pool is not None:
+            try:
+                token = self.device.pin_pool(self.pool)
+                self.pinned.append((self.pool, token, held))
+                log.info("graphcomp: teardown: %d piece(s) still have outputs referenced in the CUDA-graph pool; "
+                         "the pool's memory stays reserved until they die", len(held))
+            except Exception as e:  # pragma: no cover
+                log.warning("graphcomp: could not keep the CUDA-graph pool alive at teardown: %s", e)
         n = 0
         for r in list(self.runners):
             try:
@@ -202,6 +272,18 @@ class Runtime:
         self.ledger.clear()
         return n
 
+    def _unpin_dead(self) -> None:
+        keep = []
+        for pool, token, caps in self.pinned:
+            if any(c.unsafe_storages() for c in caps):
+                keep.append((pool, token, caps))
+            else:
+                try:
+                    self.device.unpin_pool(pool, token)
+                except Exception as e:  # pragma: no cover
+                    log.warning("graphcomp: releasing a kept CUDA-graph pool failed: %s", e)
+        self.pinned = keep
+
     def reset(self) -> None:
         self.teardown()
         self.runners = weakref.WeakSet()
@@ -210,6 +292,7 @@ class Runtime:
         self._capturing = 0
         self._setup_done = False
         self.ledger = PoolLedger()
+        self.static_storages = set()
 
 
 RUNTIME = Runtime()

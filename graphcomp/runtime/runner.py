@@ -14,8 +14,9 @@ the piece runs eagerly with a warning. For each capture::
 Output safety (never silent stale data). Outputs are handed out as aliases of
 the pool tensors; ``RUNTIME.ledger`` (:class:`~graphcomp.runtime.manager.PoolLedger`)
 knows, by capture order, which handed-out tensors a replay could overwrite (its
-own previous outputs, and those of pieces captured after it) and checks their
-storage use counts before every replay. When one is still referenced:
+own previous outputs, those of pieces captured after it, and pool memory that was
+free when it was captured) and checks them before every replay. When one is
+still referenced:
 
 * a *visible* output (``clone_outputs``: the loss, logits, every backward output =
   gradients bound for ``param.grad``) held by user code: its piece copies that
@@ -23,10 +24,24 @@ storage use counts before every replay. When one is still referenced:
   again around the live tensor (``hazard_recaptures``); with
   ``Config.copy_outputs="always"`` visible outputs are always copied;
 * this piece's own internal output (a saved activation whose backward has not
-  run: two forwards before one backward): this call runs eagerly instead
+  run: two forwards before one backward), or a released output (below) in memory
+  this piece was captured over: this call runs eagerly instead
   (``cudagraph_fallbacks``, one warning per runner);
 * an internal output of a piece captured after this one (it was re-captured, so
   this piece's inputs now come from it): this piece is captured again.
+
+Released outputs (memory). A runner keeps no reference to its *internal*
+outputs (saved activations, values for the next piece): the capture call hands
+out the tensors the capture allocated, later replays hand out new tensors built
+on the same pool memory without owning it (``_compat.pool_tensors``). So when the
+consumer (the backward) is captured, the activations it frees are free in the
+pool and its own buffers (gradients, scratch) reuse them, as they would without
+CUDA graphs. A replay of the consumer overwrites that memory after its last read;
+the ledger allows it only for tensors passed to that very call. A capture never
+runs while such a tensor is alive over memory the allocator considers free (it
+could be allocated again): that call runs eagerly (``cudagraph_fallbacks``).
+Inputs are taken boxed (``call(list)``; the list is cleared) so a consumed input
+is freed inside the capture.
 """
 
 from __future__ import annotations
@@ -67,6 +82,33 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+class _Released:
+    """One pool storage of internal outputs the runner hands out without keeping."""
+
+    __slots__ = ("ptr", "nbytes", "device", "owner", "recon")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        from .. import _compat
+
+        st = t.untyped_storage()
+        self.ptr, self.nbytes, self.device = st.data_ptr(), st.nbytes(), t.device
+        self.owner = _compat.storage_weakref(t)  # the tensor the capture allocated (owns the block)
+        self.recon: Any = None  # the storage of the latest replay's tensors (owns nothing)
+
+    def owner_alive(self) -> bool:
+        return self.owner is not None and not self.owner.expired()
+
+    def recon_alive(self) -> bool:
+        return self.recon is not None and not self.recon.expired()
+
+    def alive(self) -> bool:
+        return self.owner_alive() or self.recon_alive()
+
+    def unsafe(self) -> bool:
+        """Held by a user while the allocator counts its memory as free."""
+        return self.recon_alive() and not self.owner_alive()
+
+
 class _Capture:
     def __init__(self, runner: "CudaGraphRunner") -> None:
         self.runner = weakref.ref(runner)
@@ -74,10 +116,16 @@ class _Capture:
         self.graph: Any = None
         self.inputs: list[Any] = []  # static input objects (buffers for "copy" inputs)
         self.ptrs: list[int | None] = []  # captured data_ptr per tensor input
-        self.outputs: list[Any] = []
-        # per pool storage the outputs live in: (storage handle, use count with only
-        # the runner's references, output indices on it)
+        self.outputs: list[Any] = []  # None at released output indices
+        # per pool storage the owned outputs live in: (storage handle, use count with
+        # only the runner's references, output indices on it)
         self.tracked: list[tuple[int, int, list[int]]] = []
+        # released outputs: storage ptr -> _Released; output index -> (ptr, offset, size, stride, dtype)
+        self.released: dict[int, _Released] = {}
+        self.released_outs: dict[int, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
+        self.first: dict[int, torch.Tensor] | None = None  # the capture's own released tensors, handed out once
+        # released storages of other captures this one may overwrite (freed by the end of its capture call)
+        self.overwrites: "weakref.WeakKeyDictionary[_Capture, set[int]]" = weakref.WeakKeyDictionary()
         self.replays = 0
         self.orphan = False  # released, but a user still holds some of its outputs
 
@@ -90,11 +138,56 @@ class _Capture:
                 by_storage.setdefault(_compat.storage_handle(o), []).append(i)
         self.tracked = [(h, _compat.storage_refs(h), idxs) for h, idxs in by_storage.items()]
 
+    def release_outputs(self, outs: list[Any], visible: set[int], exclude_storages: set[int]) -> None:
+        """Split the capture's outputs: internal pool tensors are released (handed
+        out once as they are, then rebuilt on each replay), the rest kept."""
+        keep_st = {_storage_ptr(o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i in visible}
+        keep_st |= exclude_storages
+        first = {}
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor) or i in visible or _storage_ptr(o) in keep_st:
+                continue
+            key = _storage_ptr(o)
+            if key not in self.released:
+                self.released[key] = _Released(o)
+            self.released_outs[i] = (key, o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype)
+            first[i] = o
+        self.first = first
+        self.outputs = [None if i in first else o for i, o in enumerate(outs)]
+        self.track_outputs(exclude_storages)
+
+    def handout_released(self) -> dict[int, torch.Tensor]:
+        """Released outputs for this call: the capture's own tensors the first time,
+        then tensors rebuilt on the same pool memory (owning nothing)."""
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
+        from .. import _compat
+
+        by_key: dict[int, list[int]] = {}
+        for i, (key, *_rest) in self.released_outs.items():
+            by_key.setdefault(key, []).append(i)
+        out: dict[int, torch.Tensor] = {}
+        for key, idxs in by_key.items():
+            rel = self.released[key]
+            ts = _compat.pool_tensors(rel.ptr, rel.nbytes, rel.device, [self.released_outs[i][1:] for i in idxs])
+            rel.recon = _compat.storage_weakref(ts[0])
+            out.update(zip(idxs, ts))
+        return out
+
     def alive_outputs(self) -> list[int]:
         """Indices of handed-out outputs something outside the runner still holds."""
         from .. import _compat
 
-        return [i for h, base, idxs in self.tracked if _compat.storage_refs(h) > base for i in idxs]
+        alive = [i for h, base, idxs in self.tracked if _compat.storage_refs(h) > base for i in idxs]
+        if self.released:
+            live = {k for k, r in self.released.items() if r.alive()}
+            if live:
+                alive += [i for i, v in self.released_outs.items() if v[0] in live]
+        return alive
+
+    def unsafe_storages(self) -> list[int]:
+        return [k for k, r in self.released.items() if r.unsafe()]
 
     def orphan_done(self) -> None:
         """The ledger stopped tracking this capture; an orphan drops what it kept."""
@@ -109,6 +202,7 @@ class _Capture:
                 pass
         self.graph = None
         self.inputs = []
+        self.first = None
         if RUNTIME.ledger.forget(self, keep_live_outputs):
             # an orphan: keep only the storages a user still holds (their handles must
             # stay valid until they die); every other pool output is freed now
@@ -169,8 +263,8 @@ class CudaGraphRunner:
         log.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
-    def _eager(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple(self.fn(list(args)))
+    def _eager(self, args: list[Any]) -> tuple[Any, ...]:
+        return tuple(self.fn(args))
 
     def release(self, final: bool = False) -> int:
         """Drop every capture; ``final`` (teardown) also makes later calls eager."""
@@ -185,18 +279,47 @@ class CudaGraphRunner:
         return {"name": self.name, "captures": len(self.captures), "input_kinds": list(self.kinds)}
 
     # ------------------------------------------------------------ capture
-    def _capture(self, args: Sequence[Any]) -> _Capture:
+    def _classify_at_capture(self, args: list[Any]) -> None:
+        """Parameters are remembered as static storages; a ``saved`` / ``piece_output``
+        input that is neither pool memory of a captured piece nor a parameter (a user
+        tensor the forward saved, an eager piece's output) arrives at a new address
+        every step: it becomes a copied input now, before the first capture, rather
+        than after a second capture."""
+        pool = None
+        for i, kind in enumerate(self.kinds):
+            a = args[i]
+            if not isinstance(a, torch.Tensor):
+                continue
+            if kind == "param":
+                RUNTIME.static_storages.add(_storage_ptr(a))
+            elif kind in ("saved", "piece_output"):
+                if pool is None:
+                    pool = RUNTIME.pool_storages()
+                ptr = _storage_ptr(a)
+                if ptr not in pool and ptr not in RUNTIME.static_storages:
+                    log.info("graphcomp: piece %s: input %s is not pool memory of a captured piece nor a "
+                             "parameter; copying it into a static buffer", self.name, self.input_names[i])
+                    self.kinds[i] = "copy"
+
+    def _capture(self, args: list[Any]) -> _Capture:
+        """Warm up and capture on ``args``, which it consumes (clears): an input the
+        piece frees after its last use (a saved activation) is freed in the capture,
+        so the graph's own buffers may reuse its memory."""
+        self._classify_at_capture(args)
         cap = _Capture(self)
         static_in: list[Any] = []
-        for a, kind in zip(args, self.kinds):
+        for i, kind in enumerate(self.kinds):
+            a = args[i]
             if isinstance(a, torch.Tensor) and kind == "copy":
                 buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
                 buf.copy_(a)
                 static_in.append(buf)
             else:
                 static_in.append(a)
+        a = None  # (the loop variable must not keep the last input alive through the capture)
         cap.inputs = static_in
-        cap.ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in static_in]
+        cap.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in static_in]
+        in_storages = {_storage_ptr(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k != "copy"}
         dev = RUNTIME.device
         stream = RUNTIME.stream
         dev.wait(stream, dev.current_stream())
@@ -206,25 +329,41 @@ class CudaGraphRunner:
                     self.fn(list(static_in))
             dev.wait(dev.current_stream(), stream)
             g = dev.new_graph()
-            outs = dev.capture(g, RUNTIME.pool, stream, self.fn, static_in)
+            # hold only our own static buffers: a non-copy input (a saved activation,
+            # another piece's output) must not be kept alive by this capture
+            self._static_slots = [i for i, (x, k) in enumerate(zip(static_in, self.kinds)) if isinstance(x, torch.Tensor) and k != "copy"]
+            ins = list(static_in)
+            for i in self._static_slots:
+                static_in[i] = None
+            args.clear()
+            outs = dev.capture(g, RUNTIME.pool, stream, self.fn, ins, static_in)
+            del ins
         dev.wait(dev.current_stream(), stream)
         cap.graph = g
-        cap.outputs = list(outs)
-        # outputs that alias a parameter / saved input are not pool memory: not tracked
-        cap.track_outputs({_storage_ptr(a) for a, k in zip(static_in, self.kinds)
-                           if isinstance(a, torch.Tensor) and k != "copy"})
-        # hold only our own static buffers: a non-copy input (a saved activation,
-        # another piece's output) must not be kept alive by this capture
-        self._static_slots = [i for i, (a, k) in enumerate(zip(static_in, self.kinds)) if isinstance(a, torch.Tensor) and k != "copy"]
-        for i in self._static_slots:
-            static_in[i] = None
+        # internal outputs are released (see the module docstring); outputs that alias a
+        # parameter / saved input are not pool memory: neither released nor tracked
+        cap.release_outputs(list(outs), self.visible, in_storages)
+        del outs
         STATE.counters["captures"] += 1
-        pool = sum(o.numel() * o.element_size() for o in cap.outputs if isinstance(o, torch.Tensor))
+        pool = sum(rel.nbytes for rel in cap.released.values())
+        pool += sum(o.numel() * o.element_size() for o in cap.outputs if isinstance(o, torch.Tensor))
         pool += sum(b.numel() * b.element_size() for b in static_in if isinstance(b, torch.Tensor))
         self.stats_row["captures"] = self.stats_row.get("captures", 0) + 1
-        self.stats_row["pool_bytes"] = self.stats_row.get("pool_bytes", 0) + pool  # static outputs + buffers
+        self.stats_row["pool_bytes"] = self.stats_row.get("pool_bytes", 0) + pool  # outputs + buffers
         log.info("graphcomp: captured %s (%d capture(s))", self.name, len(self.captures) + 1)
         return cap
+
+    def _blocked(self) -> bool:
+        """True (and this call runs eagerly) while a released output is held over pool
+        memory the allocator counts as free: a capture now could allocate it."""
+        held = RUNTIME.ledger.unsafe()
+        if not held:
+            return False
+        names = sorted({c.runner().name if c.runner() is not None else "?" for c in held})
+        self._warn("blocked", f"graphcomp: piece {self.name} needs a capture while outputs of {', '.join(names)} "
+                              f"handed out of the CUDA-graph pool are still referenced (a forward whose backward "
+                              f"has not run yet); running this call eagerly, capturing later")
+        return True
 
     def _check_static(self, cap: _Capture, args: Sequence[Any]) -> tuple[str | None, list[int]]:
         """(None, []) when every static address matches; ("demote", slots) when
@@ -254,15 +393,17 @@ class CudaGraphRunner:
             moved.append(i)
         return ("demote", moved) if moved else (None, [])
 
-    def _hazard(self, cap: _Capture) -> str | None:
+    def _hazard(self, cap: _Capture, args: list[Any]) -> str | None:
         """None when replaying ``cap`` overwrites nothing still referenced; else
-        "eager" (its own saved activations are alive) or "recapture" (see the module
-        docstring; visible outputs found alive switch their piece to copying)."""
-        conflicts = RUNTIME.ledger.conflicts(cap.seq)
+        "eager" (its own internal outputs are alive, or a released output in memory it
+        was captured over) or "recapture" (see the module docstring; visible outputs
+        found alive switch their piece to copying)."""
+        consumed = {_storage_ptr(a) for a in args if isinstance(a, torch.Tensor)}
+        conflicts = RUNTIME.ledger.conflicts(cap, consumed)
         if not conflicts:
             return None
         for c, alive in conflicts:
-            if c is cap and any(i not in self.visible for i in alive):
+            if c.seq < cap.seq or (c is cap and any(i not in self.visible for i in alive)):
                 return "eager"
         for c, alive in conflicts:
             r = c.runner()
@@ -278,20 +419,28 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any) -> tuple[Any, ...]:
+        return self.call(list(args))
+
+    def call(self, args: list[Any]) -> tuple[Any, ...]:
+        """Run the piece on ``args`` (boxed: the list is consumed)."""
         if self.released or RUNTIME.is_capturing():
             return self._eager(args)
         sig = signature(args)
         cap = self.captures.get(sig)
+        fresh = False
         if cap is None:
             if len(self.captures) >= self.max_captures:
                 self._warn("max", f"graphcomp: piece {self.name} has reached max_captures={self.max_captures} "
                                   f"input-shape signatures; running new shapes eagerly")
                 STATE.counters["pieces_eager_calls"] += 1
                 return self._eager(args)
+            if self._blocked():
+                return self._eager(args)
             cap = self._capture(args)
             self.captures[sig] = cap
+            fresh = True
         else:
-            hazard = self._hazard(cap)
+            hazard = self._hazard(cap, args)
             if hazard == "recapture" and self.hazard_recaptures >= 2 * self.max_captures:
                 hazard = "eager"  # never loop on re-captures: a pattern the ledger cannot settle
             if hazard == "eager":
@@ -300,36 +449,47 @@ class CudaGraphRunner:
                                     f"overwriting them")
                 return self._eager(args)
             if hazard == "recapture":
+                if self._blocked():
+                    return self._eager(args)
                 log.info("graphcomp: piece %s: capturing again around tensors still referenced in the pool", self.name)
                 cap.release()
                 self.hazard_recaptures += 1
                 STATE.counters["hazard_recaptures"] += 1
                 cap = self._capture(args)
                 self.captures[sig] = cap
-        what, slots = self._check_static(cap, args)
-        if what == "demote":
-            # a saved activation / piece output produced outside a stable graph (an eager
-            # piece, or an eager fallback): copy those inputs from now on, re-capture
-            names = ", ".join(self.input_names[i] for i in slots)
-            log.info("graphcomp: piece %s: input(s) %s arrive at changing addresses; copying them "
-                     "into static buffers from now on (re-capture)", self.name, names)
-            for i in slots:
-                self.kinds[i] = "copy"
-            self.release()
-            STATE.counters["recaptures"] += 1
-            cap = self._capture(args)
-            self.captures[sig] = cap
-        elif what == "recapture":
-            cap.release()
-            STATE.counters["recaptures"] += 1
-            cap = self._capture(args)
-            self.captures[sig] = cap
-        dst = [cap.inputs[i] for i, k in enumerate(self.kinds) if k == "copy" and isinstance(args[i], torch.Tensor)]
-        src = [args[i] for i, k in enumerate(self.kinds) if k == "copy" and isinstance(args[i], torch.Tensor)]
-        if dst:
-            torch._foreach_copy_(dst, src)
-        for i in self._static_slots:
-            cap.inputs[i] = args[i]  # (a stand-in device in the CPU tests reads them; a CUDA graph reads the address)
+                fresh = True
+        if not fresh:
+            what, slots = self._check_static(cap, args)
+            if what is not None and self._blocked():
+                return self._eager(args)
+            if what == "demote":
+                # a saved activation / piece output produced outside a stable graph (an eager
+                # piece, or an eager fallback): copy those inputs from now on, re-capture
+                names = ", ".join(self.input_names[i] for i in slots)
+                log.info("graphcomp: piece %s: input(s) %s arrive at changing addresses; copying them "
+                         "into static buffers from now on (re-capture)", self.name, names)
+                for i in slots:
+                    self.kinds[i] = "copy"
+                self.release()
+                STATE.counters["recaptures"] += 1
+                cap = self._capture(args)
+                self.captures[sig] = cap
+                fresh = True
+            elif what == "recapture":
+                cap.release()
+                STATE.counters["recaptures"] += 1
+                cap = self._capture(args)
+                self.captures[sig] = cap
+                fresh = True
+        if not fresh:  # (a capture took the copies; it consumed args)
+            dst = [cap.inputs[i] for i, k in enumerate(self.kinds) if k == "copy" and isinstance(args[i], torch.Tensor)]
+            src = [args[i] for i, k in enumerate(self.kinds) if k == "copy" and isinstance(args[i], torch.Tensor)]
+            if dst:
+                torch._foreach_copy_(dst, src)
+            del dst, src
+            for i in self._static_slots:
+                cap.inputs[i] = args[i]  # (a stand-in device in the CPU tests reads them; a CUDA graph reads the address)
+        args.clear()
         try:
             cap.graph.replay()
         finally:
@@ -337,10 +497,17 @@ class CudaGraphRunner:
                 cap.inputs[i] = None
         cap.replays += 1
         STATE.counters["replays"] += 1
+        if fresh:
+            # memory of other pieces' released outputs that was free by the end of this
+            # capture: this graph may write it (checked before each replay)
+            cap.overwrites = RUNTIME.ledger.freed_storages(cap)
+        released = cap.handout_released() if cap.released_outs else {}
         RUNTIME.ledger.handed_out(cap)
         out = []
         for i, o in enumerate(cap.outputs):
-            if not isinstance(o, torch.Tensor):
+            if i in released:
+                out.append(released[i])
+            elif not isinstance(o, torch.Tensor):
                 out.append(o)
             elif i in self.copy_now:
                 out.append(o.clone())
@@ -359,4 +526,7 @@ class EagerPiece:
         STATE.counters["pieces_eager"] += 1
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
-        return tuple(self.fn(list(args)))
+        return self.call(list(args))
+
+    def call(self, args: list[Any]) -> tuple[Any, ...]:
+        return tuple(self.fn(args))

@@ -7,6 +7,7 @@ warm-up and capture, teardown, the NCCL env warning, the destroy hook."""
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 
 import pytest
@@ -19,30 +20,45 @@ from graphcomp.runtime.runner import CudaGraphRunner, StaticAddressError
 
 
 class FakeGraph:
-    """Replays into its captured outputs, and, as the worst case of a shared pool,
-    scribbles over every pool output of graphs captured after it (their memory may
-    overlap this graph's scratch space: it was free while this one was captured)."""
+    """Replays into its captured output memory, and, as the worst case of a shared
+    pool, scribbles over (a) every pool output of graphs captured after it (their
+    memory may overlap this graph's scratch space: it was free while this one was
+    captured) and (b) the output memory of graphs captured before it whose returned
+    tensors had died by the end of its capture call (freed: it may have reused them)."""
 
     def __init__(self, device):
         self.device = device
         self.fn = None
-        self.inputs = None
-        self.outputs = None
+        self.inputs = None  # the runner's static list (static slots filled before a replay)
+        self.first_inputs = None  # the capture's own inputs, for the replay of the capture call
+        self.memory = None  # the output memory (what the pool holds)
+        self.returned = []  # (weak ref to the returned tensor's storage, memory tensor)
+        self.freed = None  # memory of earlier graphs' outputs this one may overwrite
         self.released = False
 
     def replay(self):
-        new = self.fn(list(self.inputs))
-        for o, n in zip(self.outputs, new):
+        ins = list(self.inputs)
+        if self.first_inputs is not None:
+            ins = [a if a is not None else b for a, b in zip(ins, self.first_inputs)]
+            self.first_inputs = None
+        new = self.fn(ins)
+        del ins
+        for o, n in zip(self.memory, new):
             if isinstance(o, torch.Tensor):
                 o.copy_(n)
-        later = self.device.captured[self.device.captured.index(self) + 1:]
-        for g in later:
+        del new
+        caps = self.device.captured
+        me = caps.index(self)
+        if self.freed is None:  # the end of the capture call
+            self.freed = [m for g in caps[:me] for w, m in g.returned if w.expired()]
+        for t in self.freed:
+            t.fill_(float("nan") if t.is_floating_point() else -7)
+        for g in caps[me + 1:]:
             for t in g.pool_outputs():
                 t.fill_(float("nan") if t.is_floating_point() else -7)
 
     def pool_outputs(self):
-        ins = {a.untyped_storage().data_ptr() for a in self.inputs if isinstance(a, torch.Tensor)}
-        return [o for o in self.outputs if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in ins]
+        return [m for _w, m in self.returned]
 
     def reset(self):
         self.released = True
@@ -52,6 +68,7 @@ class FakeDevice(manager.CudaDevice):
     def __init__(self):
         self.capturing_seen = []
         self.captured = []  # graphs in capture order (FakeGraph.replay scribbles on later ones)
+        self.pins = []
 
     def pool_handle(self):
         return ("pool",)
@@ -71,13 +88,35 @@ class FakeDevice(manager.CudaDevice):
     def new_graph(self):
         return FakeGraph(self)
 
-    def capture(self, g, pool, stream, fn, inputs):
-        g.fn, g.inputs = fn, inputs  # the runner's list: it fills static slots before each replay
-        g.outputs = list(fn(list(inputs)))
+    def capture(self, g, pool, stream, fn, inputs, replay_inputs):
+        """Runs ``fn`` (its outputs are the graph's memory) and returns tensors that
+        alias that memory without owning it, as the pool's outputs would be: their
+        death is what frees the memory (tracked by weak reference)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        g.fn, g.inputs = fn, replay_inputs
+        g.first_inputs = list(inputs)
+        ins = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+        g.memory = list(fn(inputs))
         self.captured.append(g)
-        # the graph holds its outputs' memory, not the tensor objects: a weak view
-        # would do, but the runner keeps the same objects alive anyway
-        return g.outputs
+        out, views = [], {}
+        for m in g.memory:
+            if not isinstance(m, torch.Tensor) or m.untyped_storage().data_ptr() in ins:
+                out.append(m)
+                continue
+            st = m.untyped_storage()
+            if st.data_ptr() not in views:
+                views[st.data_ptr()] = torch._C._construct_storage_from_data_pointer(st.data_ptr(), m.device, st.nbytes())
+                g.returned.append((StorageWeakRef(views[st.data_ptr()]), m))
+            out.append(torch.empty((0,), dtype=m.dtype).set_(views[st.data_ptr()], m.storage_offset(), m.shape, m.stride()))
+        return out
+
+    def pin_pool(self, pool):
+        self.pins.append(pool)
+        return len(self.pins)
+
+    def unpin_pool(self, pool, token):
+        self.pins.remove(pool)
 
     def synchronize(self):
         pass
@@ -200,16 +239,39 @@ def test_detached_alias_counts_as_alive():
     assert kept.tolist() == [2.0, 2.0, 2.0]
 
 
-def test_saved_input_at_new_address_becomes_a_copied_input():
-    r, _ = make_runner(lambda s, g: (s * g,), ["saved", "copy"], clone_outputs={0})
+def test_saved_input_outside_the_pool_is_copied_from_the_first_capture():
+    w = torch.randn(4)
+    r, _ = make_runner(lambda w, s, g: (s * g * w,), ["param", "saved", "saved"], clone_outputs={0})
     s, g = torch.randn(4), torch.randn(4)
-    r(s, g)
+    r(w, s, g)
+    # a user tensor the forward saved (not pool memory, not a parameter): copied from
+    # the start; a saved parameter (seen as a "param" input at capture) stays static
+    assert r.kinds == ["param", "copy", "copy"]
+    r2, _ = make_runner(lambda w: (w * 2,), ["saved"], clone_outputs={0})
+    r2(w)
+    assert r2.kinds == ["saved"]
     for _ in range(3):
         s2 = torch.randn(4)  # e.g. produced by an eager piece: a new address every step
+        (out,) = r(w, s2, g)
+        torch.testing.assert_close(out, s2 * g * w, rtol=0, atol=0)
+    assert graphcomp.counters["recaptures"] == 0 and graphcomp.counters["replays"] == 5
+
+
+def test_saved_input_at_new_address_becomes_a_copied_input():
+    """A saved input that was pool memory at capture (a forward piece's output) and
+    then arrives elsewhere (that forward ran eagerly): copied from then on."""
+    fwd, _ = make_runner(lambda x: (x * 3,), ["copy"])
+    r, _ = make_runner(lambda s, g: (s * g,), ["saved", "copy"], clone_outputs={0})
+    g = torch.randn(4)
+    (out,) = r.call([fwd(torch.ones(4))[0], g])
+    torch.testing.assert_close(out, 3 * g, rtol=0, atol=0)
+    assert r.kinds == ["saved", "copy"]
+    for _ in range(3):
+        s2 = torch.randn(4)
         (out,) = r(s2, g)
         torch.testing.assert_close(out, s2 * g, rtol=0, atol=0)
     assert r.kinds == ["copy", "copy"]
-    assert graphcomp.counters["recaptures"] == 1 and graphcomp.counters["replays"] == 4
+    assert graphcomp.counters["recaptures"] == 1
 
 
 def test_max_captures_then_eager_with_warning():
@@ -452,9 +514,10 @@ def test_released_capture_keeps_tracking_outputs_a_user_holds():
     assert not any(c.orphan for c in runtime.RUNTIME.ledger.entries)
 
 
-def test_end_to_end_set_to_none_training_needs_no_output_copies(pretend_cuda):
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_end_to_end_set_to_none_training_needs_no_output_copies(pretend_cuda, codegen):
     ref, m = ItemModel(), ItemModel()
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "min_piece_nodes": 1})
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen, "min_piece_nodes": 1})
     opt_r = torch.optim.SGD(ref.parameters(), lr=1e-2)
     opt_m = torch.optim.SGD(m.parameters(), lr=1e-2)
     for step in range(4):
@@ -462,14 +525,147 @@ def test_end_to_end_set_to_none_training_needs_no_output_copies(pretend_cuda):
         ref(x).backward()
         cm(x).backward()
         for a, b in zip(ref.parameters(), m.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
         opt_r.step(); opt_m.step()
         opt_r.zero_grad(set_to_none=True); opt_m.zero_grad(set_to_none=True)
     c = graphcomp.counters
     # only the forward's loss (a 4-byte scalar per step) is copied; no gradient
     assert c["replays"] >= 8 and c["hazard_recaptures"] == 0 and c["cudagraph_output_copy_bytes"] == 4 * 4, dict(c)
+    assert c["cudagraph_fallbacks"] == 0, dict(c)
+    # the saved activations went through AOTAutograd, the glue and the runners without
+    # any other reference: the backward's capture could reuse every one of them
+    runners = {r.name: r for r in runtime.RUNTIME.runners}
+    fwd = [cap for n, r in runners.items() if n.startswith("fwd/") for cap in r.captures.values() if cap.released]
+    bwd = [cap for n, r in runners.items() if n.startswith("bwd/") for cap in r.captures.values()]
+    assert fwd and bwd
+    for f in fwd:
+        freed = set().union(*(b.overwrites.get(f, set()) for b in bwd))
+        assert freed == set(f.released), (len(freed), len(f.released))
 
 
 def test_copy_outputs_option_is_validated():
     with pytest.raises(ValueError, match=r"copy_outputs.*'sometimes'.*\['auto', 'always'\]"):
         graphcomp.Config.from_options({"copy_outputs": "sometimes"})
+
+
+# ---------------------------------------------- released outputs (pool memory reuse)
+def _fwd_bwd(w):
+    """A forward piece (internal output h, released) and a backward piece consuming h."""
+    fwd, _ = make_runner(lambda w, x: ((x @ w).relu(),), ["param", "copy"], copy_outputs="auto")
+    bwd = CudaGraphRunner("bwd/piece_0", lambda a: [a[0] * 2], ["saved"], clone_outputs={0}, copy_outputs="auto")
+    return fwd, bwd
+
+
+def test_backward_capture_reuses_released_activation_memory():
+    """The forward keeps no reference to its internal output: once the backward
+    consumed it during its capture, its memory is free for the backward's own
+    buffers (the stand-in graph scribbles over it on every backward replay), and
+    every later forward hands out a new tensor on the same memory."""
+    w = torch.randn(3, 3)
+    fwd, bwd = _fwd_bwd(w)
+    for step in range(4):
+        x = torch.randn(2, 3)
+        (g,) = bwd.call([fwd(w, x)[0]])  # the saved activation is only in the list
+        torch.testing.assert_close(g, (x @ w).relu() * 2, rtol=0, atol=0)
+        del g
+    (fcap,) = fwd.captures.values()
+    (bcap,) = bwd.captures.values()
+    assert fcap.released and fcap.outputs == [None] and fcap.first is None
+    assert fcap.alive_outputs() == []  # nothing alive: the runner holds no reference
+    assert set(bcap.overwrites[fcap]) == set(fcap.released)  # the backward may reuse it
+    assert runtime.RUNTIME.device.captured[1].freed  # ... and the stand-in does
+    c = graphcomp.counters
+    assert c["captures"] == 2 and c["replays"] == 8 and c["cudagraph_fallbacks"] == 0, dict(c)
+    (h,) = fwd(w, x)  # a replay's output: on the capture's memory, owning nothing
+    assert h.untyped_storage().data_ptr() == next(iter(fcap.released))
+    torch.testing.assert_close(h, (x @ w).relu(), rtol=0, atol=0)
+
+
+def test_released_output_held_past_a_replay_over_its_memory_runs_that_replay_eagerly():
+    w = torch.randn(3, 3)
+    fwd, bwd = _fwd_bwd(w)
+    other, _ = make_runner(lambda y: (y + 1,), ["copy"], clone_outputs={0}, copy_outputs="auto")
+    x = torch.randn(2, 3)
+    bwd.call([fwd(w, x)[0]])
+    other(torch.zeros(2))  # captured after the activation's memory was freed: may reuse it
+    (h,) = fwd(w, x)  # held (e.g. a saved activation of a pending backward)
+    with pytest.warns(RuntimeWarning, match="eagerly"):
+        (o,) = other(torch.ones(2))
+    assert o.tolist() == [2.0, 2.0]
+    torch.testing.assert_close(h, (x @ w).relu(), rtol=0, atol=0)  # not scribbled over
+    (g,) = bwd.call([h])  # the backward itself may overwrite what it consumes
+    del h
+    torch.testing.assert_close(g, (x @ w).relu() * 2, rtol=0, atol=0)
+    assert graphcomp.counters["cudagraph_fallbacks"] == 1
+
+
+def test_no_capture_while_a_released_output_is_held_over_free_memory():
+    w = torch.randn(3, 3)
+    fwd, bwd = _fwd_bwd(w)
+    x = torch.randn(2, 3)
+    bwd.call([fwd(w, x)[0]])
+    late, _ = make_runner(lambda y: (y * 5,), ["copy"], clone_outputs={0}, copy_outputs="auto")
+    (h,) = fwd(w, x)
+    with pytest.warns(RuntimeWarning, match="capturing later"):
+        (o,) = late(torch.ones(2))  # a capture now could allocate h's memory
+    assert o.tolist() == [5.0, 5.0] and not late.captures
+    torch.testing.assert_close(h, (x @ w).relu(), rtol=0, atol=0)
+    bwd.call([h])
+    del h
+    late(torch.ones(2))  # nothing held: captured now
+    assert len(late.captures) == 1
+
+
+def test_teardown_keeps_the_pool_while_a_released_output_is_held(fake_device):
+    w = torch.randn(3, 3)
+    fwd, bwd = _fwd_bwd(w)
+    x = torch.randn(2, 3)
+    bwd.call([fwd(w, x)[0]])
+    (h,) = fwd(w, x)
+    assert runtime.teardown() == 2
+    assert fake_device.pins == [("pool",)]  # h's memory must not go back to the device
+    torch.testing.assert_close(h, (x @ w).relu(), rtol=0, atol=0)
+    del h
+    runtime.teardown()
+    assert fake_device.pins == []
+
+
+def test_glue_drops_each_value_before_the_call_that_uses_it_last():
+    """run_glue passes each piece a list it owns: an input freed by the piece (as
+    Inductor frees a saved activation after its last read) is really freed."""
+    import weakref
+
+    from graphcomp.runtime.codegen import run_glue
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.placeholder("y")
+    p0 = g.call_module("piece_0", (x,))
+    a = g.call_function(operator.getitem, (p0, 0))
+    p1 = g.call_module("piece_1", (a, y))
+    b = g.call_function(operator.getitem, (p1, 0))
+    g.output((b, y))
+    seen = {}
+
+    class Piece(torch.nn.Module):
+        def __init__(self, name, fn):
+            super().__init__()
+            self.impl, self.single, self.name, self.fn = self, False, name, fn
+
+        def call(self, args):
+            t = args[0]
+            ref = weakref.ref(t)
+            res = self.fn(*args)
+            args.clear()
+            del t
+            seen[self.name] = ref() is None  # freed: nothing else held it
+            return res
+
+    root = torch.nn.Module()
+    root.piece_0 = Piece("p0", lambda x: (x + 1,))
+    root.piece_1 = Piece("p1", lambda a, y: (a * y,))
+    run = run_glue(torch.fx.GraphModule(root, g))
+    args = [torch.ones(3), torch.full((3,), 2.0)]
+    out = run(args)
+    assert args == [] and out[0].tolist() == [4.0] * 3 and out[1].tolist() == [2.0] * 3
+    assert seen == {"p0": True, "p1": True}

@@ -9,8 +9,9 @@ Each rank writes ``OUTDIR/<scenario>.rank<R>.json``. Scenarios:
                 (forward/backward twice) vs the same with graphs off;
                 graphcomp.runtime.teardown() then destroy_process_group.
 * ``memory``  : peak memory (allocated and reserved) CUDA graphs off vs on
-                (copy_outputs auto / always), W1 model, Inductor; the capture
-                stream's cuBLAS workspace.
+                (copy_outputs auto / always; and with a fused AdamW, whose step
+                allocates no temporaries), W1 model, Inductor; the CUDA-graph
+                pool's own segments; the capture stream's cuBLAS workspace.
 * ``exit``    : captures graphs with collectives and calls destroy_process_group
                 WITHOUT teardown (the wrapped destroy / atexit must release them);
                 the parent checks the process exits in time.
@@ -44,12 +45,20 @@ def _model(preset: str, seed: int = 0) -> torch.nn.Module:
     return m
 
 
-def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_to_none=None):
+def _pool_reserved() -> int:
+    """Bytes of device memory in graphcomp's CUDA-graph pool (its segments)."""
+    pool = graphcomp.runtime.RUNTIME.pool
+    if pool is None:
+        return 0
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+
+
+def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_to_none=None, fused_adam=False):
     """``set_to_none``: zero_grad's argument every step (None: alternate True/False)."""
     torch._dynamo.reset()
     m = _model(preset)
     cm = torch.compile(m, backend="graphcomp", options=options)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, **({"fused": True} if fused_adam else {}))
     rank = dist.get_rank()
     losses = []
     torch.cuda.synchronize()
@@ -94,6 +103,7 @@ def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_t
         "pool_bytes": sum(r.get("pool_bytes", 0) for f in graphcomp.state.STATE.frames
                           for d in f["stages"].values() for r in d.get("partitions", [])),
         "seconds": time.perf_counter() - t0,
+        "pool_reserved": _pool_reserved(),
         "params": params,
         "counters": {k: v for k, v in graphcomp.counters.items() if not k.startswith("bytes")},
     }
@@ -175,12 +185,15 @@ def scenario_memory(out):
     fixed cost CUDA graphs add, cuBLAS's workspace for the capture stream, is
     measured on a fresh stream."""
     res = {"capture_stream_workspace": _stream_workspace_bytes(), "preset": "W1", "batch": 8, "seq": 512}
-    runs = {"off": {"cudagraphs": "off"}, "auto": {"cudagraphs": "auto"},
-            "always": {"cudagraphs": "auto", "copy_outputs": "always"}}
-    for name, opts in runs.items():
+    runs = {"off": ({"cudagraphs": "off"}, False), "auto": ({"cudagraphs": "auto"}, False),
+            "always": ({"cudagraphs": "auto", "copy_outputs": "always"}, False),
+            # the fused AdamW step allocates no temporaries: without them, what the graphs cost
+            "off_fused": ({"cudagraphs": "off"}, True), "auto_fused": ({"cudagraphs": "auto"}, True)}
+    for name, (opts, fused) in runs.items():
         graphcomp.reset()
         torch.cuda.empty_cache()
-        r = _train("W1", {"codegen": "inductor", **opts}, 5, 8, 512, set_to_none=True)
+        r = _train("W1", {"codegen": "inductor", **opts}, 5, 8, 512, set_to_none=True, fused_adam=fused)
+        res[f"pool_reserved_{name}"] = r["pool_reserved"]
         res[f"alloc_{name}"] = max(r["step_peaks"][2:])
         res[f"reserved_{name}"] = max(r["step_reserved"][2:])
         res[f"step_peaks_{name}"], res[f"step_reserved_{name}"] = r["step_peaks"], r["step_reserved"]

@@ -174,6 +174,8 @@ def test_sharded_training_bitwise_and_safety(nproc, tmp_path):
             "inductor codegen: within 1e-5 (loss) / 1e-4 (params) of graphs off":
                 r["inductor_loss_max_rel"] <= 1e-5 and r["inductor_param_max_rel"] <= 1e-4,
             "inductor codegen: captured": ic.get("captures", 0) >= 2,
+            "plain training never fell back to eager": c.get("cudagraph_fallbacks", 0) == 0
+                and ic.get("cudagraph_fallbacks", 0) == 0,
             "graphs released by teardown": r["released"] >= 2,
         }
         failed = [k for k, ok in checks.items() if not ok]
