@@ -138,11 +138,12 @@ class _Capture:
                 by_storage.setdefault(_compat.storage_handle(o), []).append(i)
         self.tracked = [(h, _compat.storage_refs(h), idxs) for h, idxs in by_storage.items()]
 
-    def release_outputs(self, outs: list[Any], visible: set[int], exclude_storages: set[int]) -> None:
+    def release_outputs(self, outs: list[Any], visible: set[int], exclude_storages: set[int], buffers: set[int]) -> None:
         """Split the capture's outputs: internal pool tensors are released (handed
-        out once as they are, then rebuilt on each replay), the rest kept."""
+        out once as they are, then rebuilt on each replay), the rest kept (visible
+        ones, aliases of inputs: ``exclude_storages`` untracked, ``buffers`` tracked)."""
         keep_st = {_storage_ptr(o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i in visible}
-        keep_st |= exclude_storages
+        keep_st |= exclude_storages | buffers
         first = {}
         for i, o in enumerate(outs):
             if not isinstance(o, torch.Tensor) or i in visible or _storage_ptr(o) in keep_st:
@@ -320,6 +321,7 @@ class CudaGraphRunner:
         cap.inputs = static_in
         cap.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in static_in]
         in_storages = {_storage_ptr(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k != "copy"}
+        buf_storages = {_storage_ptr(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k == "copy"}
         dev = RUNTIME.device
         stream = RUNTIME.stream
         dev.wait(stream, dev.current_stream())
@@ -341,8 +343,9 @@ class CudaGraphRunner:
         dev.wait(dev.current_stream(), stream)
         cap.graph = g
         # internal outputs are released (see the module docstring); outputs that alias a
-        # parameter / saved input are not pool memory: neither released nor tracked
-        cap.release_outputs(list(outs), self.visible, in_storages)
+        # parameter / saved input are not pool memory: neither released nor tracked; an
+        # alias of a static buffer of ours is kept and tracked (the next copy overwrites it)
+        cap.release_outputs(list(outs), self.visible, in_storages, buf_storages)
         del outs
         STATE.counters["captures"] += 1
         pool = sum(rel.nbytes for rel in cap.released.values())
