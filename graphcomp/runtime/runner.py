@@ -82,6 +82,12 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    """The StorageImpl's identity (not its address: an input freed inside a capture
+    leaves its address to a new buffer, which is not an alias of that input)."""
+    return int(t.untyped_storage()._cdata)
+
+
 class _Released:
     """One pool storage of internal outputs the runner hands out without keeping."""
 
@@ -130,23 +136,25 @@ class _Capture:
         self.orphan = False  # released, but a user still holds some of its outputs
 
     def track_outputs(self, exclude_storages: set[int]) -> None:
+        """Track the kept outputs, except those on ``exclude_storages`` (storage ids)."""
         from .. import _compat
 
         by_storage: dict[int, list[int]] = {}
         for i, o in enumerate(self.outputs):
-            if isinstance(o, torch.Tensor) and _storage_ptr(o) not in exclude_storages:
+            if isinstance(o, torch.Tensor) and _storage_id(o) not in exclude_storages:
                 by_storage.setdefault(_compat.storage_handle(o), []).append(i)
         self.tracked = [(h, _compat.storage_refs(h), idxs) for h, idxs in by_storage.items()]
 
     def release_outputs(self, outs: list[Any], visible: set[int], exclude_storages: set[int], buffers: set[int]) -> None:
         """Split the capture's outputs: internal pool tensors are released (handed
         out once as they are, then rebuilt on each replay), the rest kept (visible
-        ones, aliases of inputs: ``exclude_storages`` untracked, ``buffers`` tracked)."""
-        keep_st = {_storage_ptr(o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i in visible}
+        ones, aliases of inputs: ``exclude_storages`` untracked, ``buffers`` tracked;
+        both by storage id)."""
+        keep_st = {_storage_id(o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i in visible}
         keep_st |= exclude_storages | buffers
         first = {}
         for i, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor) or i in visible or _storage_ptr(o) in keep_st:
+            if not isinstance(o, torch.Tensor) or i in visible or _storage_id(o) in keep_st:
                 continue
             key = _storage_ptr(o)
             if key not in self.released:
@@ -320,8 +328,12 @@ class CudaGraphRunner:
         a = None  # (the loop variable must not keep the last input alive through the capture)
         cap.inputs = static_in
         cap.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in static_in]
-        in_storages = {_storage_ptr(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k != "copy"}
-        buf_storages = {_storage_ptr(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k == "copy"}
+        from .. import _compat
+
+        # inputs by weak reference: one freed inside the capture (consumed) is not
+        # aliased by an output that the allocator placed at its old address
+        in_refs = [_compat.storage_weakref(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k != "copy"]
+        buf_storages = {_storage_id(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k == "copy"}
         dev = RUNTIME.device
         stream = RUNTIME.stream
         dev.wait(stream, dev.current_stream())
@@ -342,6 +354,8 @@ class CudaGraphRunner:
             del ins
         dev.wait(dev.current_stream(), stream)
         cap.graph = g
+        in_storages = {r.cdata for r in in_refs if not r.expired()}
+        del in_refs
         # internal outputs are released (see the module docstring); outputs that alias a
         # parameter / saved input are not pool memory: neither released nor tracked; an
         # alias of a static buffer of ours is kept and tracked (the next copy overwrites it)

@@ -50,7 +50,11 @@ class FakeGraph:
         caps = self.device.captured
         me = caps.index(self)
         if self.freed is None:  # the end of the capture call
-            self.freed = [m for g in caps[:me] for w, m in g.returned if w.expired()]
+            # (minus memory its own outputs or another live tensor took over)
+            own = {m.untyped_storage().data_ptr() for m in self.memory if isinstance(m, torch.Tensor)}
+            own |= {m.untyped_storage().data_ptr() for g in caps for w, m in g.returned if not w.expired()}
+            self.freed = [m for g in caps[:me] for w, m in g.returned
+                          if w.expired() and m.untyped_storage().data_ptr() not in own]
         for t in self.freed:
             t.fill_(float("nan") if t.is_floating_point() else -7)
         for g in caps[me + 1:]:
@@ -96,9 +100,14 @@ class FakeDevice(manager.CudaDevice):
 
         g.fn, g.inputs = fn, replay_inputs
         g.first_inputs = list(inputs)
-        ins = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+        refs = [StorageWeakRef(a.untyped_storage()) for a in inputs if isinstance(a, torch.Tensor)]
         g.memory = list(fn(inputs))
         self.captured.append(g)
+        # an output aliases an input only if it is on that (live) storage itself; the
+        # graph's stash of its inputs is dropped at its first replay, so compare ids
+        live_in = {r.cdata for r in refs}
+        ins = {m.untyped_storage().data_ptr() for m in g.memory
+               if isinstance(m, torch.Tensor) and m.untyped_storage()._cdata in live_in}
         out, views = [], {}
         for m in g.memory:
             if not isinstance(m, torch.Tensor) or m.untyped_storage().data_ptr() in ins:
@@ -669,3 +678,30 @@ def test_glue_drops_each_value_before_the_call_that_uses_it_last():
     out = run(args)
     assert args == [] and out[0].tolist() == [4.0] * 3 and out[1].tolist() == [2.0] * 3
     assert seen == {"p0": True, "p1": True}
+
+
+def test_output_at_a_consumed_inputs_address_is_tracked_not_an_input_alias():
+    """The allocator may place an output (a gradient) at the address of a saved
+    activation freed inside the capture. It is a new buffer, handed out to user code:
+    tracked like any other output (not mistaken for an alias of that input)."""
+    w = torch.randn(3, 3)
+    fwd, _ = make_runner(lambda w, x: ((x @ w).relu(),), ["param", "copy"], copy_outputs="auto")
+
+    def bwd_fn(a):
+        t = a[0]
+        a.clear()
+        st = t.untyped_storage()
+        ptr, n, shape, dt = st.data_ptr(), st.nbytes(), t.shape, t.dtype
+        del t, st  # the input is dead: the allocator gives its memory to the output
+        out = torch.empty(0, dtype=dt).set_(torch._C._construct_storage_from_data_pointer(ptr, torch.device("cpu"), n), 0, shape)
+        return [out.fill_(5.0)]  # (a constant: the stand-in graph really runs at capture too)
+
+    bwd = CudaGraphRunner("bwd/piece_0", bwd_fn, ["saved"], clone_outputs={0}, copy_outputs="auto")
+    x = torch.randn(2, 3)
+    (g,) = bwd.call([fwd(w, x)[0]])
+    (bcap,) = bwd.captures.values()
+    assert bcap.tracked and bcap.alive_outputs() == [0]  # g is held: seen
+    assert g.tolist() == [[5.0] * 3] * 2
+    (h,) = fwd(w, torch.randn(2, 3))  # would write the memory g lives in: must not run over it
+    assert g.tolist() == [[5.0] * 3] * 2
+    assert graphcomp.counters["hazard_recaptures"] == 1 and bwd.copy_now == {0}

@@ -77,7 +77,10 @@ def test_item_model_is_partitioned_and_correct(codegen):
     reasons = " ".join(r["reason"] for r in frame["stages"]["fwd"]["partitions"])
     assert "host_sync" in reasons
     c = graphcomp.counters
-    assert c["captures"] >= 2 and c["replays"] >= 10, dict(c)
+    # the piece after .item() takes the value as a scalar (a new signature every step):
+    # it would need a capture while the first piece's outputs (saved for backward) are
+    # handed out of the pool, so it and the backward run eagerly; the first piece replays
+    assert c["captures"] >= 2 and c["replays"] >= 6, dict(c)
 
 
 def test_require_raises_for_item_model():
