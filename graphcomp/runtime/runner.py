@@ -295,6 +295,7 @@ class CudaGraphRunner:
         every step: it becomes a copied input now, before the first capture, rather
         than after a second capture."""
         pool = None
+        changed = False
         for i, kind in enumerate(self.kinds):
             a = args[i]
             if not isinstance(a, torch.Tensor):
@@ -309,6 +310,10 @@ class CudaGraphRunner:
                     log.info("graphcomp: piece %s: input %s is not pool memory of a captured piece nor a "
                              "parameter; copying it into a static buffer", self.name, self.input_names[i])
                     self.kinds[i] = "copy"
+                    changed = True
+        if changed and self.captures:  # captures of other shapes have no buffer for that input
+            self.release()
+            STATE.counters["recaptures"] += 1
 
     def _capture(self, args: list[Any]) -> _Capture:
         """Warm up and capture on ``args``, which it consumes (clears): an input the

@@ -705,3 +705,16 @@ def test_output_at_a_consumed_inputs_address_is_tracked_not_an_input_alias():
     (h,) = fwd(w, torch.randn(2, 3))  # would write the memory g lives in: must not run over it
     assert g.tolist() == [[5.0] * 3] * 2
     assert graphcomp.counters["hazard_recaptures"] == 1 and bwd.copy_now == {0}
+
+
+def test_input_copied_at_a_later_shapes_capture_releases_the_other_captures():
+    """A saved input first seen as pool memory, then (another shape) as a user tensor:
+    it becomes a copied input, and the older capture (no buffer for it) is dropped."""
+    fwd, _ = make_runner(lambda x: (x * 3,), ["copy"])
+    r, _ = make_runner(lambda s: (s + 1,), ["saved"], clone_outputs={0})
+    r.call([fwd(torch.ones(4))[0]])
+    assert r.kinds == ["saved"] and len(r.captures) == 1
+    (out,) = r(torch.ones(6))  # a new shape, from outside the pool
+    assert r.kinds == ["copy"] and len(r.captures) == 1 and out.tolist() == [2.0] * 6
+    (out,) = r(torch.zeros(4))  # the first shape again: captured anew, with a buffer
+    assert out.tolist() == [1.0] * 4 and len(r.captures) == 2
