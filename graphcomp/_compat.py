@@ -291,7 +291,7 @@ def pool_tensors(ptr: int, nbytes: int, device: torch.device, views: Sequence[tu
 def pin_pool(device_index: int, pool: Any) -> None:
     """Keep a CUDA-graph memory pool from being freed after its graphs are reset
     (its free blocks would go back to the device on ``empty_cache``) while tensors
-    built by :func:`pool_tensor` still point into it: one more use of the pool
+    built by :func:`pool_tensors` still point into it: one more use of the pool
     that routes no allocation to it."""
     torch._C._cuda_beginAllocateToPool(device_index, pool, lambda _stream: False)
     torch._C._cuda_endAllocateToPool(device_index, pool)

@@ -135,9 +135,7 @@ def compile_pieces(
     split.recompile()
     if report_strides:
         _report_output_strides(split, piece_strides)
-    run = run_glue(split)
-
-    return run
+    return run_glue(split)
 
 
 def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
@@ -150,8 +148,7 @@ def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
             last[a] = i
     steps: list[tuple[str, fx.Node, Any, list[fx.Node]]] = []
     for i, n in enumerate(nodes):
-        dead = [a for a in n.all_input_nodes if last[a] == i]
-        dead = list(dict.fromkeys(dead))
+        dead = [a for a in n.all_input_nodes if last[a] == i]  # (all_input_nodes has no repeats)
         if n.op == "call_module":
             mod = getattr(split, str(n.target))
             steps.append(("piece", n, mod, dead))
@@ -174,8 +171,7 @@ def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
                 vals = list(fx.node.map_arg(n.args, env.__getitem__))
                 for d in dead:
                     del env[d]
-                impl = target.impl
-                res = impl.call(vals) if hasattr(impl, "call") else impl(*vals)
+                res = target.impl.call(vals)
                 env[n] = res[0] if target.single else res
                 del res, vals  # (no local may keep a value past its last use)
             elif kind == "fn":

@@ -133,8 +133,7 @@ class PoolLedger:
                 continue
             hit = cap.overwrites.get(c)
             if hit:
-                bad = [i for i in alive if i in c.released_outs and c.released_outs[i][0] in hit
-                       and c.released_outs[i][0] not in consumed]
+                bad = [i for i in alive if c.released_outs.get(i) in hit and c.released_outs[i] not in consumed]
                 if bad:
                     out.append((c, bad))
         self.entries = keep
@@ -145,11 +144,11 @@ class PoolLedger:
         counts as free (no capture may run while there is one)."""
         return [c for c in self.entries if c.released and c.unsafe_storages()]
 
-    def freed_storages(self, cap: Any) -> "weakref.WeakKeyDictionary[Any, set[int]]":
-        """Released storages of other captures whose capture-time tensor is dead now
-        (called at the end of ``cap``'s capture call: ``cap`` may have reused them)."""
+    def freed_storages(self, cap: Any, captures: list[Any]) -> "weakref.WeakKeyDictionary[Any, set[int]]":
+        """Released storages of ``captures`` (but ``cap``) whose capture-time tensor is
+        dead now (called at the end of ``cap``'s capture call: ``cap`` may have reused them)."""
         out: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
-        for c in RUNTIME.all_captures():
+        for c in captures:
             if c is cap or not c.released:
                 continue
             dead = {k for k, r in c.released.items() if not r.owner_alive()}

@@ -91,7 +91,7 @@ def _storage_id(t: torch.Tensor) -> int:
 class _Released:
     """One pool storage of internal outputs the runner hands out without keeping."""
 
-    __slots__ = ("ptr", "nbytes", "device", "owner", "recon")
+    __slots__ = ("ptr", "nbytes", "device", "owner", "recon", "idxs", "views")
 
     def __init__(self, t: torch.Tensor) -> None:
         from .. import _compat
@@ -100,6 +100,8 @@ class _Released:
         self.ptr, self.nbytes, self.device = st.data_ptr(), st.nbytes(), t.device
         self.owner = _compat.storage_weakref(t)  # the tensor the capture allocated (owns the block)
         self.recon: Any = None  # the storage of the latest replay's tensors (owns nothing)
+        self.idxs: list[int] = []  # the output indices on this storage, and their views:
+        self.views: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []  # (offset, size, stride, dtype)
 
     def owner_alive(self) -> bool:
         return self.owner is not None and not self.owner.expired()
@@ -126,9 +128,9 @@ class _Capture:
         # per pool storage the owned outputs live in: (storage handle, use count with
         # only the runner's references, output indices on it)
         self.tracked: list[tuple[int, int, list[int]]] = []
-        # released outputs: storage ptr -> _Released; output index -> (ptr, offset, size, stride, dtype)
+        # released outputs: storage ptr -> _Released; output index -> its storage ptr
         self.released: dict[int, _Released] = {}
-        self.released_outs: dict[int, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
+        self.released_outs: dict[int, int] = {}
         self.first: dict[int, torch.Tensor] | None = None  # the capture's own released tensors, handed out once
         # released storages of other captures this one may overwrite (freed by the end of its capture call)
         self.overwrites: "weakref.WeakKeyDictionary[_Capture, set[int]]" = weakref.WeakKeyDictionary()
@@ -157,9 +159,12 @@ class _Capture:
             if not isinstance(o, torch.Tensor) or i in visible or _storage_id(o) in keep_st:
                 continue
             key = _storage_ptr(o)
-            if key not in self.released:
-                self.released[key] = _Released(o)
-            self.released_outs[i] = (key, o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype)
+            rel = self.released.get(key)
+            if rel is None:
+                rel = self.released[key] = _Released(o)
+            rel.idxs.append(i)
+            rel.views.append((o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype))
+            self.released_outs[i] = key
             first[i] = o
         self.first = first
         self.outputs = [None if i in first else o for i, o in enumerate(outs)]
@@ -173,15 +178,11 @@ class _Capture:
             return first
         from .. import _compat
 
-        by_key: dict[int, list[int]] = {}
-        for i, (key, *_rest) in self.released_outs.items():
-            by_key.setdefault(key, []).append(i)
         out: dict[int, torch.Tensor] = {}
-        for key, idxs in by_key.items():
-            rel = self.released[key]
-            ts = _compat.pool_tensors(rel.ptr, rel.nbytes, rel.device, [self.released_outs[i][1:] for i in idxs])
+        for rel in self.released.values():
+            ts = _compat.pool_tensors(rel.ptr, rel.nbytes, rel.device, rel.views)
             rel.recon = _compat.storage_weakref(ts[0])
-            out.update(zip(idxs, ts))
+            out.update(zip(rel.idxs, ts))
         return out
 
     def alive_outputs(self) -> list[int]:
@@ -189,10 +190,9 @@ class _Capture:
         from .. import _compat
 
         alive = [i for h, base, idxs in self.tracked if _compat.storage_refs(h) > base for i in idxs]
-        if self.released:
-            live = {k for k, r in self.released.items() if r.alive()}
-            if live:
-                alive += [i for i, v in self.released_outs.items() if v[0] in live]
+        for rel in self.released.values():
+            if rel.alive():
+                alive += rel.idxs
         return alive
 
     def unsafe_storages(self) -> list[int]:
@@ -522,7 +522,7 @@ class CudaGraphRunner:
         if fresh:
             # memory of other pieces' released outputs that was free by the end of this
             # capture: this graph may write it (checked before each replay)
-            cap.overwrites = RUNTIME.ledger.freed_storages(cap)
+            cap.overwrites = RUNTIME.ledger.freed_storages(cap, RUNTIME.all_captures())
         released = cap.handout_released() if cap.released_outs else {}
         RUNTIME.ledger.handed_out(cap)
         out = []

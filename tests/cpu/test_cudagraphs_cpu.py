@@ -397,12 +397,16 @@ def pretend_cuda(monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
 
 
-@pytest.mark.parametrize("codegen", ["eager", "inductor"])
-def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
+def _item_models(codegen, lr):
+    """An eager ItemModel and an identical compiled one, each with its SGD."""
     ref, m = ItemModel(), ItemModel()
     cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen, "min_piece_nodes": 1})
-    opt_r = torch.optim.SGD(ref.parameters(), lr=1e-4)
-    opt_m = torch.optim.SGD(m.parameters(), lr=1e-4)
+    return ref, m, cm, torch.optim.SGD(ref.parameters(), lr=lr), torch.optim.SGD(m.parameters(), lr=lr)
+
+
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
+    ref, m, cm, opt_r, opt_m = _item_models(codegen, 1e-4)
     tol = dict(rtol=1e-4, atol=1e-4) if codegen == "inductor" else dict(rtol=1e-5, atol=1e-6)
     losses, refs = [], []
     settled = None
@@ -525,10 +529,7 @@ def test_released_capture_keeps_tracking_outputs_a_user_holds():
 
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])
 def test_end_to_end_set_to_none_training_needs_no_output_copies(pretend_cuda, codegen):
-    ref, m = ItemModel(), ItemModel()
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen, "min_piece_nodes": 1})
-    opt_r = torch.optim.SGD(ref.parameters(), lr=1e-2)
-    opt_m = torch.optim.SGD(m.parameters(), lr=1e-2)
+    ref, m, cm, opt_r, opt_m = _item_models(codegen, 1e-2)
     for step in range(4):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         ref(x).backward()
