@@ -10,7 +10,43 @@
 
 from __future__ import annotations
 
+import importlib.util as _util
 import logging as _logging
+import pathlib as _pathlib
+import sys as _sys
+
+
+class _CheckoutPassesFinder:
+    """``graphcomp.passes`` is the top-level ``passes/`` directory of the checkout this
+    ``graphcomp`` package was imported from (an installed wheel ships it as
+    ``graphcomp/passes``, and nothing here applies). Without this, a source checkout on
+    ``sys.path`` beside another checkout's editable install would import *that*
+    checkout's passes, silently; and a checkout that is not installed would not find
+    ``graphcomp.passes`` at all."""
+
+    def __init__(self, root: _pathlib.Path) -> None:
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 - importlib protocol
+        if fullname != "graphcomp.passes":
+            return None
+        return _util.spec_from_file_location(
+            fullname, self.root / "__init__.py", submodule_search_locations=[str(self.root)]
+        )
+
+
+def _bind_checkout_passes() -> None:
+    here = _pathlib.Path(__file__).resolve().parent
+    src = here.parent / "passes"
+    if (here / "passes").is_dir() or not (src / "__init__.py").is_file():
+        return  # an installed package (graphcomp/passes), or no checkout layout
+    if "shipped as ``graphcomp.passes``" not in (src / "__init__.py").read_text():
+        return  # some other top-level "passes" package beside us: not ours
+    if not any(isinstance(f, _CheckoutPassesFinder) for f in _sys.meta_path):
+        _sys.meta_path.insert(0, _CheckoutPassesFinder(src))
+
+
+_bind_checkout_passes()
 
 from . import env as _env
 from .config import Config
