@@ -195,6 +195,19 @@ def detect_fake_mode(inputs: Sequence[Any]) -> Any:
     return _d(inputs)
 
 
+def skip_top_level_frames(*fns: Callable[..., Any]) -> None:
+    """Dynamo never compiles these functions' frames when they are called from
+    eager code (they run as plain Python; frames they call are treated as usual),
+    but still inlines them while tracing a caller (``eval_frame.skip_code``: a
+    per-code-object frame strategy, not a graph break)."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # pragma: no cover
+        return
+    for fn in fns:
+        skip_code(getattr(fn, "__code__", fn))
+
+
 @functools.lru_cache(None)
 def has_cudagraph_unsafe_tag() -> bool:
     return hasattr(torch.Tag, "cudagraph_unsafe")

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import _compat
+from . import _compat, gather_scope
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,34 @@ class ShardInfo:
 
 
 # ----------------------------------------------------------------------- gather
+def gather_local(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    """The logical parameter from a padded local shard (an all-gather over the
+    group, then narrow, reshape, cast to ``param_dtype``); not differentiable."""
+    if info.world_size == 1:
+        out = local.narrow(0, 0, info.rows).reshape(info.shape)
+    else:
+        full = _compat.funcol_all_gather(local.contiguous(), info.group_name, info.world_size)
+        out = full.narrow(0, 0, info.rows).reshape(info.shape)
+    return out if info.param_dtype is None else out.to(info.param_dtype)
+
+
+def reduce_grad(grad: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...]) -> torch.Tensor:
+    """The local shard's gradient from the gradient of the logical parameter:
+    cast to ``reduce_dtype``, pad, reduce-scatter (sum) over the group, / W, cast
+    back to the parameter's dtype."""
+    row_shape = tuple(local_shape[1:])
+    g = grad.to(info.reduce_dtype).reshape(info.rows, *row_shape)
+    pad = local_shape[0] * info.world_size - info.rows
+    g = F.pad(g, (0, 0) * len(row_shape) + (0, pad)) if pad else g.contiguous()
+    if info.world_size > 1:
+        g = _compat.funcol_reduce_scatter_sum(g, info.group_name, info.world_size) / info.world_size
+    return g.to(info.orig_dtype)
+
+
 class _GatherParam(torch.autograd.Function):
     """All-gather a padded local shard into the logical parameter; the backward
-    reduce-scatters the gradient (averaged over ranks) back to the shard."""
+    reduce-scatters the gradient (averaged over ranks) back to the shard. (Plain
+    arguments, not the ShardInfo: what Dynamo traces into the graph as constants.)"""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -139,9 +164,17 @@ def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     )
 
 
+def _mark_eager_frames() -> None:
+    """Reads from eager code stay eager Python (see graphcomp.gather_scope)."""
+    _compat.skip_top_level_frames(_make_property("_").fget, gather)
+
+
 # -------------------------------------------------------- module class swapping
 def _make_property(name: str) -> property:
     def getter(self: nn.Module) -> torch.Tensor:
+        scoped = gather_scope.cached(self, name)  # eager: gathered when the module's forward began
+        if scoped is not None:
+            return scoped
         return gather(self._parameters[name], self._graphcomp_shard_info[name])
 
     getter.__name__ = name
@@ -340,6 +373,7 @@ def shard(
     writing into it does not change the shard); see the module docstring.
     """
     owners = _validate(model, group, param_dtype, reduce_dtype)
+    _mark_eager_frames()
     if group is None:
         group = dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -393,6 +427,7 @@ def shard(
     for mod, infos in per_module.values():
         mod.__dict__[_INFO_ATTR] = infos
         mod.__class__ = _sharded_class(type(mod), tuple(sorted(infos)))
+        gather_scope.install(mod, infos)
         mod.register_state_dict_post_hook(_state_dict_post_hook)
         mod.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 

@@ -23,14 +23,13 @@ import logging
 
 import torch.fx as fx
 
+from graphcomp.errors import CudaGraphsRequired
 from graphcomp.pipeline import PassContext, register_pass
 from graphcomp.runtime.static import classify_static_inputs, output_users
 
 log = logging.getLogger(__name__)
 
-
-class CudaGraphsRequired(RuntimeError):
-    pass
+__all__ = ["CudaGraphsRequired", "cudagraphs", "plan_runners"]
 
 
 def plan_runners(gm: fx.GraphModule, stage: str, static_idxs: list[int], user_visible: list[int] | None) -> dict:

@@ -90,6 +90,24 @@ def _matches_split_op(node: fx.Node, split_ops: Sequence[str]) -> str | None:
     return None
 
 
+# custom ops of other libraries known to synchronize with the host inside (a capture
+# of them fails: cut around them up front rather than at capture time)
+_KNOWN_HOST_SYNC_OPS = {
+    "transformers::grouped_mm_fallback": "reads its group offsets on the host (.tolist()) inside the op",
+}
+
+
+def _shape_depends_on_data(node: fx.Node) -> bool:
+    """An op tagged ``dynamic_output_shape`` *may* produce a data-dependent shape
+    (``aten.index.Tensor`` with a boolean mask does; with integer index tensors it
+    does not). Decide from the traced output: only unbacked sizes (``u0``...) are
+    data-dependent; an output without traced values is assumed to be."""
+    vals = graph_utils.tensor_values(node.meta.get("val"))
+    if not vals:
+        return True
+    return any(_is_unbacked(t) for t in vals)
+
+
 def _is_unbacked(t: torch.Tensor) -> str | None:
     syms = []
     for s in list(t.shape) + list(t.stride()):
@@ -117,8 +135,11 @@ def uncapturable_reason(node: fx.Node, split_ops: Sequence[str] = ()) -> SplitRe
         short = _short_name(target)
         if torch.Tag.data_dependent_output in tags or short in _HOST_SYNC_NAMES:
             return SplitReason(name, "host_sync", f"{opn} reads device data on the host (a sync)")
-        if torch.Tag.dynamic_output_shape in tags:
+        if torch.Tag.dynamic_output_shape in tags and _shape_depends_on_data(node):
             return SplitReason(name, "data_dependent", f"{opn} has a data-dependent output shape")
+        known = _KNOWN_HOST_SYNC_OPS.get(f"{target.namespace}::{short}")
+        if known:
+            return SplitReason(name, "host_sync", f"{opn} {known}")
         if short in _RNG_STATE_NAMES:
             return SplitReason(name, "rng", f"{opn} reads or sets RNG state on the host")
         if torch.Tag.nondeterministic_seeded in tags and node.kwargs.get("generator") is not None:

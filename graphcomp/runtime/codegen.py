@@ -127,6 +127,7 @@ def compile_pieces(
                 on_address_change=cfg.on_address_change,
                 input_names=names,
                 stats_row=stats_row,
+                require=cfg.cudagraphs == "require",
             )
             row["runner"] = "CudaGraphRunner"
         else:

@@ -58,9 +58,40 @@ class CudaDevice:
     def capture(self, g: Any, pool: Any, stream: Any, fn: Any, inputs: list[Any], replay_inputs: list[Any]) -> Any:
         """Capture ``fn(inputs)`` into ``g`` on ``stream`` in ``pool``; returns its
         outputs. ``fn`` consumes ``inputs`` (boxed). ``replay_inputs`` is the
-        runner's static input list (a CUDA graph reads addresses, not this list)."""
-        with torch.cuda.graph(g, pool=pool, stream=stream):
-            return fn(inputs)
+        runner's static input list (a CUDA graph reads addresses, not this list).
+        As ``torch.cuda.graph`` (synchronize and free cached blocks first), except
+        that a failure always ends the capture and restores the current stream, so
+        the process stays usable for eager execution."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        with torch.cuda.stream(stream):
+            g.capture_begin(pool=pool)
+            try:
+                out = fn(inputs)
+            except BaseException:
+                try:
+                    g.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is invalid anyway
+                    pass
+                raise
+            g.capture_end()
+        return out
+
+    def trial_capture(self, stream: Any, fn: Any, inputs: list[Any]) -> None:
+        """Capture ``fn`` on a copy of ``inputs`` (nothing consumed) into a
+        throwaway graph and pool, instantiate and replay it once, then free it all:
+        whatever capture, instantiation or the first replay would raise, raises here
+        while the caller still holds every input (it can run the call eagerly).
+        Costs one more run of the piece and a capture, at capture time only."""
+        g = torch.cuda.CUDAGraph()
+        outs = self.capture(g, torch.cuda.graph_pool_handle(), stream, fn, list(inputs), [])
+        with torch.cuda.stream(stream):
+            g.replay()
+        stream.synchronize()
+        del outs
+        g.reset()
+        del g
+        torch.cuda.empty_cache()
 
     def pin_pool(self, pool: Any) -> Any:
         from .. import _compat

@@ -54,8 +54,10 @@ from typing import Any
 
 import torch
 
+from ..errors import CudaGraphsRequired
 from ..state import STATE
 from .manager import RUNTIME
+from .static import memory_of, static_buffer
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,10 @@ class _Capture:
         self.seq = RUNTIME.ledger.next_seq()  # capture order (see PoolLedger)
         self.graph: Any = None
         self.inputs: list[Any] = []  # static input objects (buffers for "copy" inputs)
+        self.bases: dict[int, torch.Tensor] = {}  # input index -> flat memory of its static buffer ("copy")
+        # outputs that are views of a (non-copied) input: output index -> (input index,
+        # storage_offset, size, stride, dtype), rebuilt from that call's input
+        self.alias: dict[int, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
         self.ptrs: list[int | None] = []  # captured data_ptr per tensor input
         self.outputs: list[Any] = []  # None at released output indices
         # per pool storage the owned outputs live in: (storage handle, use count with
@@ -147,16 +153,25 @@ class _Capture:
                 by_storage.setdefault(_compat.storage_handle(o), []).append(i)
         self.tracked = [(h, _compat.storage_refs(h), idxs) for h, idxs in by_storage.items()]
 
-    def release_outputs(self, outs: list[Any], visible: set[int], exclude_storages: set[int], buffers: set[int]) -> None:
+    def release_outputs(self, outs: list[Any], visible: set[int], inputs: dict[int, int], buffers: set[int]) -> None:
         """Split the capture's outputs: internal pool tensors are released (handed
-        out once as they are, then rebuilt on each replay), the rest kept (visible
-        ones, aliases of inputs: ``exclude_storages`` untracked, ``buffers`` tracked;
-        both by storage id)."""
+        out once as they are, then rebuilt on each replay); views of a non-copied
+        input (``inputs``: storage id -> input index; a parameter, a saved
+        activation, another piece's output) are rebuilt from that call's input and
+        never held (holding one would keep the producing piece's output alive: its
+        next replay would see it "still referenced"); the rest is kept (visible
+        outputs, aliases of our own static buffers, ``buffers``: tracked)."""
         keep_st = {_storage_id(o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i in visible}
-        keep_st |= exclude_storages | buffers
+        keep_st |= buffers
         first = {}
         for i, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor) or i in visible or _storage_id(o) in keep_st:
+            if not isinstance(o, torch.Tensor):
+                continue
+            src = inputs.get(_storage_id(o))
+            if src is not None:
+                self.alias[i] = (src, o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype)
+                continue
+            if i in visible or _storage_id(o) in keep_st:
                 continue
             key = _storage_ptr(o)
             rel = self.released.get(key)
@@ -166,9 +181,17 @@ class _Capture:
             rel.views.append((o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype))
             self.released_outs[i] = key
             first[i] = o
-        self.first = first
-        self.outputs = [None if i in first else o for i, o in enumerate(outs)]
-        self.track_outputs(exclude_storages)
+        self.first = {**first, **{i: outs[i] for i in self.alias}}
+        self.outputs = [None if i in first or i in self.alias else o for i, o in enumerate(outs)]
+        self.track_outputs(set(inputs))
+
+    def aliases(self, args: Sequence[Any]) -> dict[int, torch.Tensor]:
+        """The outputs that are views of this call's inputs, rebuilt on them."""
+        out = {}
+        for i, (src, off, size, stride, dt) in self.alias.items():
+            a = args[src]
+            out[i] = torch.empty((0,), dtype=dt, device=a.device).set_(a.untyped_storage(), off, size, stride)
+        return out
 
     def handout_released(self) -> dict[int, torch.Tensor]:
         """Released outputs for this call: the capture's own tensors the first time,
@@ -239,8 +262,11 @@ class CudaGraphRunner:
         on_address_change: str = "error",
         input_names: Sequence[str] | None = None,
         stats_row: dict[str, Any] | None = None,
+        require: bool = False,
     ):
         self.name = name
+        self.require = require  # Config.cudagraphs == "require": a capture failure raises
+        self.disabled: str | None = None  # why this piece runs eagerly for good (a failed capture)
         self.fn = fn  # boxed: fn(list) -> sequence of outputs
         self.kinds = list(input_kinds)
         self.visible = set(clone_outputs or ())  # outputs that leave graphcomp (user code, param.grad)
@@ -316,18 +342,20 @@ class CudaGraphRunner:
             STATE.counters["recaptures"] += 1
 
     def _capture(self, args: list[Any]) -> _Capture:
-        """Warm up and capture on ``args``, which it consumes (clears): an input the
-        piece frees after its last use (a saved activation) is freed in the capture,
-        so the graph's own buffers may reuse its memory."""
+        """Warm up, trial-capture, then capture on ``args``, which the real capture
+        consumes (clears): an input the piece frees after its last use (a saved
+        activation) is freed in the capture, so the graph's own buffers may reuse
+        its memory. Warm-up and the trial capture run while every input is still
+        held: a failure there raises :class:`_CaptureFailed` with ``args`` intact (the
+        caller runs the call eagerly)."""
         self._classify_at_capture(args)
         cap = _Capture(self)
         static_in: list[Any] = []
         for i, kind in enumerate(self.kinds):
             a = args[i]
             if isinstance(a, torch.Tensor) and kind == "copy":
-                buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-                buf.copy_(a)
-                static_in.append(buf)
+                view, cap.bases[i] = static_buffer(a)  # every layout: expanded, overlapping, offset, empty
+                static_in.append(view)
             else:
                 static_in.append(a)
         a = None  # (the loop variable must not keep the last input alive through the capture)
@@ -335,18 +363,27 @@ class CudaGraphRunner:
         cap.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in static_in]
         from .. import _compat
 
-        # inputs by weak reference: one freed inside the capture (consumed) is not
-        # aliased by an output that the allocator placed at its old address
-        in_refs = [_compat.storage_weakref(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k != "copy"]
-        buf_storages = {_storage_id(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k == "copy"}
         dev = RUNTIME.device
         stream = RUNTIME.stream
-        dev.wait(stream, dev.current_stream())
-        with RUNTIME.capturing():
-            with dev.stream(stream):
-                for _ in range(WARMUP_ITERS):
-                    self.fn(list(static_in))
+        phase = "warm-up"
+        try:
+            dev.wait(stream, dev.current_stream())
+            with RUNTIME.capturing():
+                with dev.stream(stream):
+                    for _ in range(WARMUP_ITERS):
+                        self.fn(list(static_in))
+                phase = "trial capture"
+                dev.trial_capture(stream, self.fn, static_in)
             dev.wait(dev.current_stream(), stream)
+        except Exception as e:  # noqa: BLE001 - any failure: the piece runs eagerly (or "require" raises)
+            cap.inputs = []
+            raise _CaptureFailed(phase, e) from e
+        # inputs by weak reference: one freed inside the capture (consumed) is not
+        # aliased by an output that the allocator placed at its old address
+        in_refs = [(i, _compat.storage_weakref(x)) for i, (x, k) in enumerate(zip(static_in, self.kinds))
+                   if isinstance(x, torch.Tensor) and k != "copy"]
+        buf_storages = {_storage_id(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k == "copy"}
+        with RUNTIME.capturing():
             g = dev.new_graph()
             # hold only our own static buffers: a non-copy input (a saved activation,
             # another piece's output) must not be kept alive by this capture
@@ -355,25 +392,64 @@ class CudaGraphRunner:
             for i in self._static_slots:
                 static_in[i] = None
             args.clear()
-            outs = dev.capture(g, RUNTIME.pool, stream, self.fn, ins, static_in)
+            try:
+                outs = dev.capture(g, RUNTIME.pool, stream, self.fn, ins, static_in)
+            except Exception as e:  # noqa: BLE001
+                self._disable(f"capture failed after a successful trial capture: {type(e).__name__}: {e}")
+                raise RuntimeError(
+                    f"graphcomp: capturing CUDA-graph piece {self.name} failed after its trial capture succeeded "
+                    f"({type(e).__name__}: {e}); this call's inputs were consumed by the capture and cannot be "
+                    f"recomputed. The piece runs eagerly from the next call on; compile with cudagraphs='off' to "
+                    f"avoid capture altogether."
+                ) from e
             del ins
         dev.wait(dev.current_stream(), stream)
         cap.graph = g
-        in_storages = {r.cdata for r in in_refs if not r.expired()}
+        in_index = {r.cdata: i for i, r in in_refs if not r.expired()}
         del in_refs
-        # internal outputs are released (see the module docstring); outputs that alias a
-        # parameter / saved input are not pool memory: neither released nor tracked; an
-        # alias of a static buffer of ours is kept and tracked (the next copy overwrites it)
-        cap.release_outputs(list(outs), self.visible, in_storages, buf_storages)
+        # internal outputs are released (see the module docstring); views of a non-copied
+        # input are rebuilt from each call's input; an alias of a static buffer of ours
+        # is kept and tracked (the next copy overwrites it)
+        cap.release_outputs(list(outs), self.visible, in_index, buf_storages)
         del outs
         STATE.counters["captures"] += 1
         pool = sum(rel.nbytes for rel in cap.released.values())
         pool += sum(o.numel() * o.element_size() for o in cap.outputs if isinstance(o, torch.Tensor))
-        pool += sum(b.numel() * b.element_size() for b in static_in if isinstance(b, torch.Tensor))
+        pool += sum(b.numel() * b.element_size() for b in cap.bases.values())
         self.stats_row["captures"] = self.stats_row.get("captures", 0) + 1
         self.stats_row["pool_bytes"] = self.stats_row.get("pool_bytes", 0) + pool  # outputs + buffers
         log.info("graphcomp: captured %s (%d capture(s))", self.name, len(self.captures) + 1)
         return cap
+
+    def _disable(self, reason: str) -> None:
+        """This piece runs eagerly for good (its graphs are released), with
+        ``reason`` recorded on its row of the frame summary (``graphcomp inspect``)."""
+        self.disabled = reason
+        self.release()
+        self.stats_row["mode"] = "eager"
+        self.stats_row["reason"] = f"capture_failed: {reason}"
+        STATE.counters["capture_failures"] += 1
+        STATE.counters["pieces_eager"] += 1
+        msg = (f"graphcomp: CUDA-graph piece {self.name} cannot be captured ({reason}); it runs eagerly from now "
+               f"on. Ops that synchronize with the host or allocate host memory cannot be captured: move them "
+               f"out of the compiled region, list them in Config.split_ops, or use cudagraphs='off'.")
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    def _capture_failed(self, e: "_CaptureFailed") -> None:
+        cause = e.__cause__
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        reason = f"{e.phase}: {type(cause).__name__}: {first}"[:500]
+        where = _failing_source(cause)
+        if where:
+            reason += f" (at {where})"
+        if self.require:
+            self.disabled = reason
+            raise CudaGraphsRequired(
+                f"graphcomp: Config.cudagraphs='require' but CUDA-graph piece {self.name} failed to capture: {reason}. "
+                f"Remove that op from the compiled region, list it in Config.split_ops, or use cudagraphs='auto'."
+            ) from cause
+        self._disable(reason)
 
     def _blocked(self) -> bool:
         """True (and this call runs eagerly) while a released output is held over pool
@@ -444,73 +520,22 @@ class CudaGraphRunner:
         return self.call(list(args))
 
     def call(self, args: list[Any]) -> tuple[Any, ...]:
-        """Run the piece on ``args`` (boxed: the list is consumed)."""
-        if self.released or RUNTIME.is_capturing():
+        """Run the piece on ``args`` (boxed: the list is consumed): decide (replay
+        a capture, capture, or run eagerly with a reason), then act."""
+        if self.released or self.disabled is not None or RUNTIME.is_capturing():
             return self._eager(args)
-        sig = signature(args)
-        cap = self.captures.get(sig)
-        fresh = False
+        cap, fresh = self._decide(args)
         if cap is None:
-            if len(self.captures) >= self.max_captures:
-                self._warn("max", f"graphcomp: piece {self.name} has reached max_captures={self.max_captures} "
-                                  f"input-shape signatures; running new shapes eagerly")
-                STATE.counters["pieces_eager_calls"] += 1
-                return self._eager(args)
-            if self._blocked():
-                return self._eager(args)
-            cap = self._capture(args)
-            self.captures[sig] = cap
-            fresh = True
-        else:
-            hazard = self._hazard(cap, args)
-            if hazard == "recapture" and self.hazard_recaptures >= 2 * self.max_captures:
-                hazard = "eager"  # never loop on re-captures: a pattern the ledger cannot settle
-            if hazard == "eager":
-                self._warn("alive", f"graphcomp: piece {self.name}: outputs of an earlier replay are still referenced "
-                                    f"(e.g. two forwards before one backward); running this call eagerly instead of "
-                                    f"overwriting them")
-                return self._eager(args)
-            if hazard == "recapture":
-                if self._blocked():
-                    return self._eager(args)
-                log.info("graphcomp: piece %s: capturing again around tensors still referenced in the pool", self.name)
-                cap.release()
-                self.hazard_recaptures += 1
-                STATE.counters["hazard_recaptures"] += 1
-                cap = self._capture(args)
-                self.captures[sig] = cap
-                fresh = True
-        if not fresh:
-            what, slots = self._check_static(cap, args)
-            if what is not None and self._blocked():
-                return self._eager(args)
-            if what == "demote":
-                # a saved activation / piece output produced outside a stable graph (an eager
-                # piece, or an eager fallback): copy those inputs from now on, re-capture
-                names = ", ".join(self.input_names[i] for i in slots)
-                log.info("graphcomp: piece %s: input(s) %s arrive at changing addresses; copying them "
-                         "into static buffers from now on (re-capture)", self.name, names)
-                for i in slots:
-                    self.kinds[i] = "copy"
-                self.release()
-                STATE.counters["recaptures"] += 1
-                cap = self._capture(args)
-                self.captures[sig] = cap
-                fresh = True
-            elif what == "recapture":
-                cap.release()
-                STATE.counters["recaptures"] += 1
-                cap = self._capture(args)
-                self.captures[sig] = cap
-                fresh = True
+            return self._eager(args)
         if not fresh:  # (a capture took the copies; it consumed args)
-            dst = [cap.inputs[i] for i, k in enumerate(self.kinds) if k == "copy" and isinstance(args[i], torch.Tensor)]
-            src = [args[i] for i, k in enumerate(self.kinds) if k == "copy" and isinstance(args[i], torch.Tensor)]
+            dst = [cap.bases[i] for i, k in enumerate(self.kinds) if k == "copy" and isinstance(args[i], torch.Tensor)]
+            src = [memory_of(args[i]) for i, k in enumerate(self.kinds) if k == "copy" and isinstance(args[i], torch.Tensor)]
             if dst:
                 torch._foreach_copy_(dst, src)
             del dst, src
             for i in self._static_slots:
                 cap.inputs[i] = args[i]  # (a stand-in device in the CPU tests reads them; a CUDA graph reads the address)
+        aliased = {} if fresh else cap.aliases(args)
         args.clear()
         try:
             cap.graph.replay()
@@ -523,12 +548,13 @@ class CudaGraphRunner:
             # memory of other pieces' released outputs that was free by the end of this
             # capture: this graph may write it (checked before each replay)
             cap.overwrites = RUNTIME.ledger.freed_storages(cap, RUNTIME.all_captures())
-        released = cap.handout_released() if cap.released_outs else {}
+        handed = cap.handout_released()
+        handed.update(aliased)
         RUNTIME.ledger.handed_out(cap)
         out = []
         for i, o in enumerate(cap.outputs):
-            if i in released:
-                out.append(released[i])
+            if i in handed:
+                out.append(handed[i])
             elif not isinstance(o, torch.Tensor):
                 out.append(o)
             elif i in self.copy_now:
@@ -537,6 +563,89 @@ class CudaGraphRunner:
             else:
                 out.append(o.detach())
         return tuple(out)
+
+    def _decide(self, args: list[Any]) -> tuple[_Capture | None, bool]:
+        """(capture to replay, whether it was captured by this call), or (None, _)
+        when this call runs eagerly (the reason is logged and counted)."""
+        sig = signature(args)
+        cap = self.captures.get(sig)
+        if cap is None:
+            if len(self.captures) >= self.max_captures:
+                self._warn("max", f"graphcomp: piece {self.name} has reached max_captures={self.max_captures} "
+                                  f"input-shape signatures; running new shapes eagerly")
+                STATE.counters["pieces_eager_calls"] += 1
+                return None, False
+            return self._new_capture(sig, args, None)
+        hazard = self._hazard(cap, args)
+        if hazard == "recapture" and self.hazard_recaptures >= 2 * self.max_captures:
+            hazard = "eager"  # never loop on re-captures: a pattern the ledger cannot settle
+        if hazard == "eager":
+            self._warn("alive", f"graphcomp: piece {self.name}: outputs of an earlier replay are still referenced "
+                                f"(e.g. two forwards before one backward); running this call eagerly instead of "
+                                f"overwriting them")
+            return None, False
+        if hazard == "recapture":
+            log.info("graphcomp: piece %s: capturing again around tensors still referenced in the pool", self.name)
+            return self._new_capture(sig, args, "hazard")
+        what, slots = self._check_static(cap, args)
+        if what == "demote":
+            # a saved activation / piece output produced outside a stable graph (an eager
+            # piece, or an eager fallback): copy those inputs from now on, re-capture
+            names = ", ".join(self.input_names[i] for i in slots)
+            log.info("graphcomp: piece %s: input(s) %s arrive at changing addresses; copying them "
+                     "into static buffers from now on (re-capture)", self.name, names)
+            return self._new_capture(sig, args, "demote", slots)
+        if what == "recapture":
+            return self._new_capture(sig, args, "address")
+        return cap, False
+
+    def _new_capture(self, sig: tuple[Any, ...], args: list[Any], why: str | None,
+                     slots: Sequence[int] = ()) -> tuple[_Capture | None, bool]:
+        """Capture for ``sig`` (``why``: None for a new signature, else what forces a
+        re-capture); (None, False) when this call must run eagerly instead."""
+        if self._blocked():
+            return None, False
+        if why == "demote":
+            for i in slots:
+                self.kinds[i] = "copy"
+            self.release()
+        elif why is not None:
+            self.captures.pop(sig).release()
+        if why == "hazard":
+            self.hazard_recaptures += 1
+            STATE.counters["hazard_recaptures"] += 1
+        elif why is not None:
+            STATE.counters["recaptures"] += 1
+        try:
+            cap = self._capture(args)
+        except _CaptureFailed as e:
+            self._capture_failed(e)
+            return None, False
+        self.captures[sig] = cap
+        return cap, True
+
+
+class _CaptureFailed(Exception):
+    """Warm-up or the trial capture of a piece raised (its ``__cause__``); the
+    call's inputs are intact."""
+
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        super().__init__(f"{phase}: {cause}")
+        self.phase = phase
+
+
+def _failing_source(e: BaseException | None) -> str | None:
+    """The innermost traceback frame of ``e`` outside torch's own files (the
+    generated piece code or the op that raised), as ``file:line``."""
+    import traceback
+
+    if e is None or e.__traceback__ is None:
+        return None
+    frames = traceback.extract_tb(e.__traceback__)
+    for f in reversed(frames):
+        if "/torch/" not in f.filename or "torchinductor" in f.filename:
+            return f"{f.filename}:{f.lineno} ({f.line.strip() if f.line else f.name})"
+    return None
 
 
 class EagerPiece:

@@ -94,3 +94,31 @@ def output_users(split: fx.GraphModule, user_visible: Sequence[int] | None) -> d
         elif r.op == "call_function" and r.target is operator.getitem and isinstance(r.args[0], fx.Node) and r.args[0].op == "call_module":
             res.setdefault(str(r.args[0].target), set()).add(int(r.args[1]))
     return res
+
+
+# ------------------------------------------------------------ static buffers
+def span(t: torch.Tensor) -> int:
+    """Elements of storage a view covers, from its first element to its last
+    (``storage_offset`` excluded): 0 for an empty tensor. Larger than ``numel`` for
+    views with gaps; smaller for overlapping ones (a stride-0 ``expand``)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def memory_of(t: torch.Tensor) -> torch.Tensor:
+    """The storage range ``t`` covers, as a flat contiguous 1-D tensor (a view)."""
+    return t.as_strided((span(t),), (1,), t.storage_offset())
+
+
+def static_buffer(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static input buffer for ``a``: ``(view, base)``. ``view`` has ``a``'s shape
+    and strides over a new flat ``base`` of ``span(a)`` elements, so every layout is
+    reproduced exactly: expanded (stride 0), overlapping, non-contiguous, a view with
+    an offset, zero-size. Copying ``memory_of(a)`` into ``base`` refreshes it (one
+    contiguous copy of what the piece can read; ``view.copy_(a)`` would be
+    rejected for an overlapping ``view``)."""
+    base = torch.empty((span(a),), dtype=a.dtype, device=a.device)
+    view = base.as_strided(tuple(a.shape), tuple(a.stride()), 0)
+    base.copy_(memory_of(a))
+    return view, base

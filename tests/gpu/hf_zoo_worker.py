@@ -72,7 +72,7 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             continue
         mod_name, _, attr = name.rpartition(".")
         info = shard_info(model.get_submodule(mod_name), attr)
-        out[name] = p.grad.full_tensor().narrow(0, 0, info.rows).reshape(info.shape).float()
+        out[name] = p.grad.full_tensor().narrow(0, 0, info.rows).reshape(info.shape).float().clone()  # (world 1: a view of p.grad, which clipping scales)
     return out
 
 

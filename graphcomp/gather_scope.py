@@ -1,0 +1,143 @@
+"""Eager gather scopes: outside compiled graphs, a module's shards are gathered
+together when its forward starts, and reduce-scattered together once its backward
+is complete, whatever its Python reads in between.
+
+Why. Reading a sharded parameter is a collective, so every rank must read it the
+same number of times, in the same order. Inside a compiled graph that holds (every
+rank traces the same graph). Eager code need not: transformers' eager MoE experts
+loop reads ``self.gate_up_proj[expert_idx]`` once per expert that received tokens,
+so two ranks whose tokens reach different experts issue different numbers of
+gathers (and, in backward, reduce-scatters in a data-dependent order): the job
+hangs (NCCL) or aborts (gloo: "Received data size doesn't match"). Under a scope
+the collective sequence depends only on which modules run::
+
+    module.__call__ (eager) -> pre-hook: x', *gathered = ScopeNode(x, *shards)
+                                 (one all-gather per shard, sorted by name)
+        forward(x', ...): module.weight, module.weight[i], ... -> gathered (no collective)
+    post-hook: the scope closes
+    backward: ScopeNode runs once, after the gradients of x' and of every gathered
+        tensor are complete (autograd runs a node when all its outputs' gradients
+        are in): one reduce-scatter per shard (zeros for one this rank never read),
+        in the same sorted order, then the gradient of x flows on
+
+``x`` is the module's first floating-point tensor argument (the node runs in the
+module's place in the backward order, which is the same on every rank because
+every rank runs the same modules). Under ``torch.compile`` the hooks do nothing
+while Dynamo traces them (``torch.compiler.is_compiling()`` is constant-folded to
+True) and reads gather where they are traced, as before. The hooks and the
+property getters are never compiled as frames of their own (``_compat.
+skip_top_level_frames``): called from eager code (a module Dynamo gave up on, an
+eager loop) they run as Python. A read outside any forward of its module (user
+code reading ``model.lm_head.weight``) gathers on use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _compat
+
+SCOPE_ATTR = "_graphcomp_gathered"
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def cached(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The gathered value of ``name`` in ``module``'s open scope, or None. A scope
+    is only ever opened by eager code; a frame Dynamo compiles while one is open (a
+    resume function after a graph break inside the module) reads the gathered
+    tensor as a graph input instead of gathering again."""
+    scope = module.__dict__.get(SCOPE_ATTR)
+    return None if scope is None else scope.get(name)
+
+
+class _ScopeNode(torch.autograd.Function):
+    """forward(x, *locals) -> (x, *gathered); backward reduce-scatters every
+    shard's gradient, in order, once all of them are known."""
+
+    @staticmethod
+    def forward(ctx: Any, infos: tuple[Any, ...], x: torch.Tensor | None, *locals_: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        from .sharding import gather_local
+
+        ctx.infos, ctx.device = infos, locals_[0].device
+        ctx.local_shapes = [tuple(t.shape) for t in locals_]
+        gathered = [gather_local(t, info) for t, info in zip(locals_, infos)]
+        return (None if x is None else x.view_as(x), *gathered)
+
+    @staticmethod
+    def backward(ctx: Any, gx: torch.Tensor | None, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        from .sharding import reduce_grad
+
+        out = []
+        for g, info, shape in zip(grads, ctx.infos, ctx.local_shapes):
+            if g is None:  # not read on this rank: its reduce-scatter must still happen
+                dt = info.param_dtype or info.orig_dtype
+                g = torch.zeros(info.shape, dtype=dt, device=ctx.device)
+            out.append(reduce_grad(g, info, shape))
+        return (None, gx, *out)
+
+
+def _anchor_input(args: tuple[Any, ...]) -> int | None:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad:
+            return i
+    return None
+
+
+def install(module: nn.Module, infos: dict[str, Any]) -> None:
+    """Open a scope around every eager forward of ``module`` over its sharded
+    parameters ``infos`` (name -> ShardInfo)."""
+    order = tuple(sorted(infos))
+
+    def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> Any:
+        if _compiling():
+            # traced: the module's shards are gathered here, in the graph, in order;
+            # reads take them from the scope. Traced through, that is the same gathers
+            # one op earlier; after a graph break inside the module (an eager loop),
+            # Dynamo hands the scope to the code that runs next, which reads instead
+            # of gathering again
+            from .sharding import gather
+
+            mod.__dict__[SCOPE_ATTR] = {n: gather(mod._parameters[n], infos[n]) for n in order}
+            return None
+        params = [mod._parameters[n] for n in order]
+        locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        if not grad:
+            with torch.no_grad():
+                mod.__dict__[SCOPE_ATTR] = {n: _gather_plain(t, infos[n]) for n, t in zip(order, locals_)}
+            return None
+        k = _anchor_input(args)
+        x = args[k] if k is not None else None
+        if x is not None and locals_ and x.device != locals_[0].device:
+            x, k = None, None
+        outs = _ScopeNode.apply(tuple(infos[n] for n in order), x, *locals_)
+        mod.__dict__[SCOPE_ATTR] = dict(zip(order, outs[1:]))
+        if k is None:
+            return None
+        return (*args[:k], outs[0], *args[k + 1:])
+
+    def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
+        mod.__dict__.pop(SCOPE_ATTR, None)
+
+    if not _SKIPPED:
+        # called from eager code, these run as Python: Dynamo would otherwise compile
+        # each as a tiny frame of its own, in which is_compiling() is True
+        _compat.skip_top_level_frames(pre_hook, post_hook)
+        _SKIPPED.append(True)
+    module.register_forward_pre_hook(pre_hook)
+    module.register_forward_hook(post_hook, always_call=True)  # (an exception must not leave a stale scope)
+
+
+def _gather_plain(local: torch.Tensor, info: Any) -> torch.Tensor:
+    from .sharding import gather_local
+
+    return gather_local(local, info)
+
+
+_SKIPPED: list[bool] = []  # the hooks' code objects are marked once (every closure shares them)
