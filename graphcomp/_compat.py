@@ -196,16 +196,27 @@ def detect_fake_mode(inputs: Sequence[Any]) -> Any:
 
 
 def skip_top_level_frames(*fns: Callable[..., Any]) -> None:
-    """Dynamo never compiles these functions' frames when they are called from
-    eager code (they run as plain Python; frames they call are treated as usual),
-    but still inlines them while tracing a caller (``eval_frame.skip_code``: a
-    per-code-object frame strategy, not a graph break)."""
+    """Dynamo never compiles these functions' frames, nor the frames they call,
+    when they are called from eager code (they run as plain Python), but still
+    inlines them while tracing a caller: a per-code-object frame strategy
+    (``FrameExecStrategy(SKIP, SKIP)``; where that is not available, ``skip_code``:
+    the frames they call are then compiled as usual), not a graph break."""
+    codes = [getattr(fn, "__code__", fn) for fn in fns]
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        for code in codes:
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        return
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - older/newer layouts
+        pass
     try:
         from torch._dynamo.eval_frame import skip_code
     except ImportError:  # pragma: no cover
         return
-    for fn in fns:
-        skip_code(getattr(fn, "__code__", fn))
+    for code in codes:
+        skip_code(code)
 
 
 @functools.lru_cache(None)

@@ -174,7 +174,8 @@ class FrameCompiler:
             def compile_piece(piece: fx.GraphModule, ins: list[Any], static_idxs: list[int]) -> Any:
                 return _compat.make_boxed_func(piece.forward)
 
-        return compile_pieces(gm, stage, self.cfg, compile_piece, self.frame_data, report_strides=kwargs is not None)
+        return compile_pieces(gm, stage, self.cfg, compile_piece, self.frame_data, report_strides=kwargs is not None,
+                              frame_id=self.frame_id)
 
     # ------------------------------------------------------------- eager path
     def eager_partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:

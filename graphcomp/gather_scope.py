@@ -39,20 +39,18 @@ import torch
 from torch import nn
 
 from . import _compat
+from .state import STATE
 
-SCOPE_ATTR = "_graphcomp_gathered"
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
 
 
 def cached(module: nn.Module, name: str) -> torch.Tensor | None:
-    """The gathered value of ``name`` in ``module``'s open scope, or None. A scope
-    is only ever opened by eager code; a frame Dynamo compiles while one is open (a
-    resume function after a graph break inside the module) reads the gathered
-    tensor as a graph input instead of gathering again."""
-    scope = module.__dict__.get(SCOPE_ATTR)
+    """The gathered value of ``name`` in ``module``'s open scope, or None. A frame
+    Dynamo compiles while a scope is open (a resume function after a graph break
+    inside the module) reads the gathered tensor as a graph input instead of
+    gathering again. (Scopes live in ``STATE.scopes``, keyed by module id, not on the
+    module: Dynamo marks every tensor attribute of a module a static input, and the
+    CUDA-graph runner would then expect it at a fixed address.)"""
+    scope = STATE.scopes.get(id(module))
     return None if scope is None else scope.get(name)
 
 
@@ -82,62 +80,63 @@ class _ScopeNode(torch.autograd.Function):
         return (None, gx, *out)
 
 
-def _anchor_input(args: tuple[Any, ...]) -> int | None:
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad:
-            return i
-    return None
-
-
 def install(module: nn.Module, infos: dict[str, Any]) -> None:
     """Open a scope around every eager forward of ``module`` over its sharded
     parameters ``infos`` (name -> ShardInfo)."""
-    order = tuple(sorted(infos))
+    from .sharding import gather, gather_local
 
+    order = tuple(sorted(infos))
+    ordered = tuple(infos[n] for n in order)
+
+    # (no helper calls or comprehensions in the hooks: called from eager code, each
+    # would be a frame of its own, which Dynamo compiles unless skipped recursively,
+    # and in which is_compiling() is True)
     def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> Any:
-        if _compiling():
+        if torch.compiler.is_compiling():
             # traced: the module's shards are gathered here, in the graph, in order;
             # reads take them from the scope. Traced through, that is the same gathers
             # one op earlier; after a graph break inside the module (an eager loop),
             # Dynamo hands the scope to the code that runs next, which reads instead
             # of gathering again
-            from .sharding import gather
-
-            mod.__dict__[SCOPE_ATTR] = {n: gather(mod._parameters[n], infos[n]) for n in order}
+            scope = {}
+            for n in order:
+                scope[n] = gather(mod._parameters[n], infos[n])
+            STATE.scopes[id(mod)] = scope
             return None
-        params = [mod._parameters[n] for n in order]
-        locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-        grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-        if not grad:
+        locals_, grad = [], False
+        for n in order:
+            p = mod._parameters[n]
+            locals_.append(p.to_local() if hasattr(p, "to_local") else p)
+            grad = grad or p.requires_grad
+        if not (grad and torch.is_grad_enabled()):
+            scope = {}
             with torch.no_grad():
-                mod.__dict__[SCOPE_ATTR] = {n: _gather_plain(t, infos[n]) for n, t in zip(order, locals_)}
+                for n, t in zip(order, locals_):
+                    scope[n] = gather_local(t, infos[n])
+            STATE.scopes[id(mod)] = scope
             return None
-        k = _anchor_input(args)
+        k = None
+        for i, a in enumerate(args):  # the node takes the module's first differentiable input
+            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad and a.device == locals_[0].device:
+                k = i
+                break
         x = args[k] if k is not None else None
-        if x is not None and locals_ and x.device != locals_[0].device:
-            x, k = None, None
-        outs = _ScopeNode.apply(tuple(infos[n] for n in order), x, *locals_)
-        mod.__dict__[SCOPE_ATTR] = dict(zip(order, outs[1:]))
+        outs = _ScopeNode.apply(ordered, x, *locals_)
+        STATE.scopes[id(mod)] = dict(zip(order, outs[1:]))
         if k is None:
             return None
         return (*args[:k], outs[0], *args[k + 1:])
 
     def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
-        mod.__dict__.pop(SCOPE_ATTR, None)
+        STATE.scopes.pop(id(mod), None)
 
     if not _SKIPPED:
         # called from eager code, these run as Python: Dynamo would otherwise compile
         # each as a tiny frame of its own, in which is_compiling() is True
-        _compat.skip_top_level_frames(pre_hook, post_hook)
+        _compat.skip_top_level_frames(pre_hook, post_hook, cached)
         _SKIPPED.append(True)
     module.register_forward_pre_hook(pre_hook)
     module.register_forward_hook(post_hook, always_call=True)  # (an exception must not leave a stale scope)
-
-
-def _gather_plain(local: torch.Tensor, info: Any) -> torch.Tensor:
-    from .sharding import gather_local
-
-    return gather_local(local, info)
 
 
 _SKIPPED: list[bool] = []  # the hooks' code objects are marked once (every closure shares them)

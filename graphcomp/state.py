@@ -26,6 +26,8 @@ class _State:
         self._frame_ids = itertools.count()
         # rank -> list of frame summaries, written to summary.json by graphcomp.dump
         self.frames: list[dict[str, Any]] = []
+        # open eager gather scopes: id(module) -> {name: gathered tensor} (graphcomp.gather_scope)
+        self.scopes: dict[int, dict[str, Any]] = {}
 
     def next_frame_id(self) -> int:
         return next(self._frame_ids)
@@ -34,6 +36,7 @@ class _State:
         self.counters.reset()
         self._frame_ids = itertools.count()
         self.frames.clear()
+        self.scopes.clear()
 
 
 STATE = _State()

@@ -88,11 +88,13 @@ def compile_pieces(
     compile_piece: Callable[[fx.GraphModule, list[Any], list[int]], Callable[[list[Any]], Any]],
     frame_data: dict[str, Any] | None = None,
     report_strides: bool = False,
+    frame_id: int | None = None,
 ) -> Callable[[list[Any]], Any]:
     """Compile every piece of ``split`` and return a boxed callable for the stage."""
     pieces = split.meta["graphcomp_pieces"]
     plan = split.meta.get("graphcomp_cudagraphs", {})
     static_idxs = list((frame_data or {}).get(f"static_input_idxs:{stage}", []))
+    prefix = f"frame{frame_id}/{stage}" if frame_id is not None else stage
     glue_static = _glue_static_idxs(split, static_idxs)
     piece_strides: dict[str, list[Any]] = {}
     calls = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
@@ -117,7 +119,7 @@ def compile_pieces(
                 stats_row = r
         if p is not None and RUNTIME.device.available():
             impl: Any = CudaGraphRunner(
-                f"{stage}/{name}", compiled, p["input_kinds"],
+                f"{prefix}/{name}", compiled, p["input_kinds"],
                 clone_outputs=set(p["clone_outputs"]),
                 # forward outputs (the loss) are small and often kept for logging: always
                 # copied; gradients are handed out of the pool per Config.copy_outputs
@@ -131,7 +133,7 @@ def compile_pieces(
             )
             row["runner"] = "CudaGraphRunner"
         else:
-            impl = EagerPiece(f"{stage}/{name}", compiled)
+            impl = EagerPiece(f"{prefix}/{name}", compiled)
         setattr(split, name, _PieceModule(impl, single))
     split.recompile()
     if report_strides:

@@ -62,6 +62,7 @@ from .static import memory_of, static_buffer
 log = logging.getLogger(__name__)
 
 WARMUP_ITERS = 2
+REENTRY_LIMIT = 3  # a piece re-entered this often while its outputs are alive turns eager for good
 
 
 class StaticAddressError(RuntimeError):
@@ -274,6 +275,7 @@ class CudaGraphRunner:
         # copy_outputs="always"; with "auto" the ones seen still held at a later replay
         self.copy_now = set(self.visible) if copy_outputs == "always" else set()
         self.hazard_recaptures = 0
+        self.alive_hazards = 0  # calls that found this piece's own previous outputs alive
         self.max_captures = max_captures
         self.check_always = check_static_inputs == "always"
         self.recapture = on_address_change == "recapture"
@@ -289,8 +291,11 @@ class CudaGraphRunner:
         STATE.counters["pieces_captured"] += 1
 
     # ------------------------------------------------------------ helpers
-    def _warn(self, key: str, msg: str) -> None:
-        STATE.counters["cudagraph_fallbacks"] += 1
+    def _warn(self, key: str, msg: str, fallback: bool = True) -> None:
+        """Log ``msg`` (warn once per key); ``fallback``: this call runs eagerly
+        because of a runtime hazard (``cudagraph_fallbacks``)."""
+        if fallback:
+            STATE.counters["cudagraph_fallbacks"] += 1
         if key in self._warned:
             log.debug(msg)
             return
@@ -421,18 +426,24 @@ class CudaGraphRunner:
         log.info("graphcomp: captured %s (%d capture(s))", self.name, len(self.captures) + 1)
         return cap
 
-    def _disable(self, reason: str) -> None:
+    def _disable(self, reason: str, kind: str = "capture_failed") -> None:
         """This piece runs eagerly for good (its graphs are released), with
-        ``reason`` recorded on its row of the frame summary (``graphcomp inspect``)."""
+        ``kind: reason`` recorded on its row of the frame summary (``graphcomp
+        inspect``): a failed capture (``capture_failures``), or a call pattern its
+        graph cannot serve (``pieces_turned_eager``). Later calls are not counted as
+        fallbacks: the piece is eager by decision, as if partition_graph had cut it."""
         self.disabled = reason
         self.release()
         self.stats_row["mode"] = "eager"
-        self.stats_row["reason"] = f"capture_failed: {reason}"
-        STATE.counters["capture_failures"] += 1
+        self.stats_row["reason"] = f"{kind}: {reason}"
+        STATE.counters["capture_failures" if kind == "capture_failed" else "pieces_turned_eager"] += 1
         STATE.counters["pieces_eager"] += 1
-        msg = (f"graphcomp: CUDA-graph piece {self.name} cannot be captured ({reason}); it runs eagerly from now "
-               f"on. Ops that synchronize with the host or allocate host memory cannot be captured: move them "
-               f"out of the compiled region, list them in Config.split_ops, or use cudagraphs='off'.")
+        if kind == "capture_failed":
+            msg = (f"graphcomp: CUDA-graph piece {self.name} cannot be captured ({reason}); it runs eagerly from now "
+                   f"on. Ops that synchronize with the host or allocate host memory cannot be captured: move them "
+                   f"out of the compiled region, list them in Config.split_ops, or use cudagraphs='off'.")
+        else:
+            msg = f"graphcomp: CUDA-graph piece {self.name} was {reason}; it runs eagerly from now on."
         log.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
@@ -571,8 +582,10 @@ class CudaGraphRunner:
         cap = self.captures.get(sig)
         if cap is None:
             if len(self.captures) >= self.max_captures:
+                # a configured limit, not a hazard: counted apart from cudagraph_fallbacks
                 self._warn("max", f"graphcomp: piece {self.name} has reached max_captures={self.max_captures} "
-                                  f"input-shape signatures; running new shapes eagerly")
+                                  f"input-shape signatures; running new shapes eagerly (inputs whose shapes vary "
+                                  f"with the data: pad them to a few sizes, or raise max_captures)", fallback=False)
                 STATE.counters["pieces_eager_calls"] += 1
                 return None, False
             return self._new_capture(sig, args, None)
@@ -580,6 +593,13 @@ class CudaGraphRunner:
         if hazard == "recapture" and self.hazard_recaptures >= 2 * self.max_captures:
             hazard = "eager"  # never loop on re-captures: a pattern the ledger cannot settle
         if hazard == "eager":
+            self.alive_hazards += 1
+            if self.alive_hazards >= REENTRY_LIMIT:
+                self._disable(f"called {self.alive_hazards} times while outputs of its previous replay were still "
+                              f"referenced (a Python loop calling this compiled region several times per step, or "
+                              f"several forwards before one backward); its graph cannot be replayed without "
+                              f"overwriting them", kind="reentrant")
+                return None, False
             self._warn("alive", f"graphcomp: piece {self.name}: outputs of an earlier replay are still referenced "
                                 f"(e.g. two forwards before one backward); running this call eagerly instead of "
                                 f"overwriting them")

@@ -94,6 +94,33 @@ def test_reason_data_dependent_nonzero():
     assert reasons_by_node(gm)[nz.name].kind == "data_dependent"
 
 
+def test_integer_index_is_capturable_boolean_mask_is_not():
+    """aten.index.Tensor is tagged dynamic_output_shape because a boolean mask makes
+    the shape data-dependent; with integer index tensors (transformers' causal-mask
+    construction, MoE routing) the shape is static and the op is captured."""
+    idx = torch.tensor([0, 2, 1])
+    gm = cudaify(fake_trace(lambda x, i: x[i, None] * 2, _x(), idx))
+    ix = [n for n in gm.graph.nodes if n.target is aten.index.Tensor]
+    assert ix and ix[0].name not in reasons_by_node(gm)
+    gm2 = cudaify(fake_trace(lambda x: x[x > 0].sum(), _x()))
+    r = reasons_by_node(gm2)
+    masked = [n for n in gm2.graph.nodes if n.target is aten.index.Tensor]
+    cut = [n for n in gm2.graph.nodes if n.name in r and r[n.name].kind in ("data_dependent", "unbacked_shape")]
+    assert masked and cut, (gm2.graph, r)
+
+
+def test_known_host_sync_custom_op_is_cut():
+    """transformers' fp32 grouped_mm fallback reads its offsets on the host inside a
+    custom op (no tag says so): cut up front instead of failing at capture."""
+    pytest.importorskip("transformers.integrations.moe")
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    x, w, offs = torch.randn(6, 4), torch.randn(2, 4, 3), torch.tensor([2, 6], dtype=torch.int32)
+    gm = cudaify(fake_trace(lambda x, w, o: op(x, w, o) * 2, x, w, offs, mode="fake"))
+    node = next(n for n in gm.graph.nodes if n.target is op)
+    r = reasons_by_node(gm)[node.name]
+    assert r.kind == "host_sync" and "tolist" in r.detail
+
+
 def test_reason_unbacked_shape():
     def f(x):
         n = x.sum().to(torch.int64).item()
