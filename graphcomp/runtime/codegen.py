@@ -130,6 +130,7 @@ def compile_pieces(
                 input_names=names,
                 stats_row=stats_row,
                 require=cfg.cudagraphs == "require",
+                dynamic=_has_symbolic_shapes(ex),
             )
             row["runner"] = "CudaGraphRunner"
         else:
@@ -139,6 +140,17 @@ def compile_pieces(
     if report_strides:
         _report_output_strides(split, piece_strides)
     return run_glue(split)
+
+
+def _has_symbolic_shapes(example_inputs: list[Any]) -> bool:
+    """True when a piece's traced inputs have symbolic sizes or scalars (Dynamo
+    compiled the frame with dynamic shapes): its shapes may follow the data."""
+    for v in example_inputs:
+        if isinstance(v, (torch.SymInt, torch.SymFloat)):
+            return True
+        if isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride())):
+            return True
+    return False
 
 
 def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:

@@ -62,7 +62,7 @@ from .static import memory_of, static_buffer
 log = logging.getLogger(__name__)
 
 WARMUP_ITERS = 2
-REENTRY_LIMIT = 3  # a piece re-entered this often while its outputs are alive turns eager for good
+REENTRY_LIMIT = 3  # a piece that falls back this often turns eager for good (see CudaGraphRunner._miss)
 
 
 class StaticAddressError(RuntimeError):
@@ -264,9 +264,11 @@ class CudaGraphRunner:
         input_names: Sequence[str] | None = None,
         stats_row: dict[str, Any] | None = None,
         require: bool = False,
+        dynamic: bool = False,
     ):
         self.name = name
         self.require = require  # Config.cudagraphs == "require": a capture failure raises
+        self.dynamic = dynamic  # traced with symbolic shapes: its input shapes may follow the data
         self.disabled: str | None = None  # why this piece runs eagerly for good (a failed capture)
         self.fn = fn  # boxed: fn(list) -> sequence of outputs
         self.kinds = list(input_kinds)
@@ -275,7 +277,7 @@ class CudaGraphRunner:
         # copy_outputs="always"; with "auto" the ones seen still held at a later replay
         self.copy_now = set(self.visible) if copy_outputs == "always" else set()
         self.hazard_recaptures = 0
-        self.alive_hazards = 0  # calls that found this piece's own previous outputs alive
+        self.misses = 0  # calls run eagerly because of a hazard (see _miss)
         self.max_captures = max_captures
         self.check_always = check_static_inputs == "always"
         self.recapture = on_address_change == "recapture"
@@ -443,7 +445,8 @@ class CudaGraphRunner:
                    f"on. Ops that synchronize with the host or allocate host memory cannot be captured: move them "
                    f"out of the compiled region, list them in Config.split_ops, or use cudagraphs='off'.")
         else:
-            msg = f"graphcomp: CUDA-graph piece {self.name} was {reason}; it runs eagerly from now on."
+            msg = (f"graphcomp: CUDA-graph piece {self.name} {reason}; it runs eagerly from now on "
+                   f"(graphcomp.counters['pieces_turned_eager']; see 'graphcomp inspect' for the piece).")
         log.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
@@ -469,10 +472,32 @@ class CudaGraphRunner:
         if not held:
             return False
         names = sorted({c.runner().name if c.runner() is not None else "?" for c in held})
-        self._warn("blocked", f"graphcomp: piece {self.name} needs a capture while outputs of {', '.join(names)} "
+        if self.dynamic and self.captures:
+            # traced with symbolic shapes and needing a (re-)capture in the middle of a
+            # step: its shapes follow the data (tokens per expert in a Python MoE loop), so
+            # it would miss again on every new shape
+            self._disable("needed a capture while other pieces' outputs were held in the pool, with input shapes "
+                          "that follow the data (dynamic shapes, e.g. tokens per expert in a Python MoE loop); "
+                          "pad such inputs to a few sizes to keep it captured", kind="unsettled")
+            return True
+        self._miss("blocked", f"graphcomp: piece {self.name} needs a capture while outputs of {', '.join(names)} "
                               f"handed out of the CUDA-graph pool are still referenced (a forward whose backward "
-                              f"has not run yet); running this call eagerly, capturing later")
+                              f"has not run yet); running this call eagerly, capturing later",
+                   "needed a capture each time outputs of other pieces were still held over free pool memory")
         return True
+
+    def _miss(self, key: str, msg: str, why: str) -> None:
+        """This call runs eagerly because of a runtime hazard (a fallback). A piece
+        that misses ``REENTRY_LIMIT`` times turns eager for good: a call pattern its
+        graphs cannot serve (a Python loop calling the compiled region several times
+        per step, shapes that follow the data) would otherwise fall back every step."""
+        self.misses += 1
+        if (self.misses >= REENTRY_LIMIT or self.dynamic) and self.disabled is None:
+            # (traced with dynamic shapes: the call pattern follows the data, it would miss again)
+            self._disable(f"{why} ({self.misses} call(s){', dynamic shapes' if self.dynamic else ''})",
+                          kind="unsettled")
+            return
+        self._warn(key, msg)
 
     def _check_static(self, cap: _Capture, args: Sequence[Any]) -> tuple[str | None, list[int]]:
         """(None, []) when every static address matches; ("demote", slots) when
@@ -593,16 +618,11 @@ class CudaGraphRunner:
         if hazard == "recapture" and self.hazard_recaptures >= 2 * self.max_captures:
             hazard = "eager"  # never loop on re-captures: a pattern the ledger cannot settle
         if hazard == "eager":
-            self.alive_hazards += 1
-            if self.alive_hazards >= REENTRY_LIMIT:
-                self._disable(f"called {self.alive_hazards} times while outputs of its previous replay were still "
-                              f"referenced (a Python loop calling this compiled region several times per step, or "
-                              f"several forwards before one backward); its graph cannot be replayed without "
-                              f"overwriting them", kind="reentrant")
-                return None, False
-            self._warn("alive", f"graphcomp: piece {self.name}: outputs of an earlier replay are still referenced "
+            self._miss("alive", f"graphcomp: piece {self.name}: outputs of an earlier replay are still referenced "
                                 f"(e.g. two forwards before one backward); running this call eagerly instead of "
-                                f"overwriting them")
+                                f"overwriting them",
+                       "called while outputs of its previous replay were still referenced (a Python loop calling "
+                       "this compiled region several times per step, or several forwards before one backward)")
             return None, False
         if hazard == "recapture":
             log.info("graphcomp: piece %s: capturing again around tensors still referenced in the pool", self.name)

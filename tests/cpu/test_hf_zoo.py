@@ -216,18 +216,23 @@ def test_cudagraph_steady_state_bf16(world1, fake_cuda, family):
     warm = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for s in range(6):
+        for s in range(8):
             loss = cm(**zoo.make_batch(m, 2, SEQ, seed=s)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
             assert torch.isfinite(loss)
-            if s == 2:
+            if s == 3:  # warm-up: the first step captures, the next ones settle (hazard re-captures)
                 warm = dict(graphcomp.counters)
     c = graphcomp.counters
     for k in ("cudagraph_fallbacks", "recaptures", "hazard_recaptures", "captures", "capture_failures"):
         assert c[k] == warm.get(k, 0), (family, k, dict(c))
-    assert c["cudagraph_fallbacks"] == 0 and c["capture_failures"] == 0, dict(c)
+    assert c["capture_failures"] == 0 and c["cudagraph_fallbacks"] == 0, dict(c)
+    if family != "mixtral-eager":
+        assert c["pieces_turned_eager"] == 0, dict(c)
+    # (the eager experts loop runs small compiled frames per expert, with token counts that
+    # follow the routing: those pieces turn eager by decision the first time they cannot
+    # replay, instead of falling back every step)
     assert c["captures"] > 0 and c["replays"] > c["captures"], dict(c)
     graphcomp.reset()
