@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="tiny-llama",
-                   help=f"a preset ({', '.join(PRESETS)}) or a local model directory with config.json")
+    m.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}) or a local model directory with "
+                                   "config.json (default: --init-from's directory, else tiny-llama)")
     m.add_argument("--config", help="a local config.json (overrides --model)")
     m.add_argument("--init-from", help="local weights: a save_pretrained directory or a .safetensors file "
                                        "(default: random init)")
@@ -143,12 +143,12 @@ def load_config(args: argparse.Namespace):
         if not os.path.isfile(args.config):
             raise ValueError(f"--config {args.config!r} is not a file")
         cfg = AutoConfig.from_pretrained(args.config, local_files_only=True)
-    elif args.model in PRESETS:
-        cfg = LlamaConfig(**PRESETS[args.model])
+    elif args.model is None and args.init_from and os.path.isdir(args.init_from):
+        cfg = AutoConfig.from_pretrained(args.init_from, local_files_only=True)
+    elif (args.model or "tiny-llama") in PRESETS:
+        cfg = LlamaConfig(**PRESETS[args.model or "tiny-llama"])
     elif os.path.isdir(args.model):
         cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
-    elif args.init_from and os.path.isdir(args.init_from):
-        cfg = AutoConfig.from_pretrained(args.init_from, local_files_only=True)
     else:
         raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
                          "directory with a config.json (this script never downloads)")
@@ -289,7 +289,8 @@ def save_checkpoint(args, step: int, model, opt, sched, data: Batches, rank: int
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, opt)
     trainer = {"step": step, "scheduler": sched.state_dict(), "world_size": world, "data": data.describe(),
-               "samples_per_step": world * args.batch_size * args.grad_accum}
+               # the data position: micro-batch g = step * grad_accum + micro reads rows seeded (seed, g, i)
+               "next_micro_batch": step * args.grad_accum, "stream": stream_shape(args)}
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     if rank == 0:
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
@@ -305,7 +306,12 @@ def save_checkpoint(args, step: int, model, opt, sched, data: Batches, rank: int
     return final
 
 
-def load_checkpoint(path: Path, model, opt, sched, data: Batches, world: int) -> int:
+def stream_shape(args: argparse.Namespace) -> dict:
+    """What must not change on resume for the data stream to continue where it was."""
+    return {"batch_size": args.batch_size, "seq_len": args.seq_len, "grad_accum": args.grad_accum}
+
+
+def load_checkpoint(path: Path, args, model, opt, sched, data: Batches, world: int) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -317,6 +323,9 @@ def load_checkpoint(path: Path, model, opt, sched, data: Batches, world: int) ->
     if trainer["data"] != data.describe():
         raise ValueError(f"checkpoint {str(path)!r} was trained on data {trainer['data']}, this run reads "
                          f"{data.describe()}: the data stream would not continue (same --data and --seed)")
+    if trainer["stream"] != stream_shape(args):
+        raise ValueError(f"checkpoint {str(path)!r} was trained with {trainer['stream']}, this run has "
+                         f"{stream_shape(args)}: resume with the same --batch-size, --seq-len and --grad-accum")
     model_sd, optim_sd = get_state_dict(model, opt)  # also creates the optimizer state to load into
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
@@ -368,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
                 options["dump_dir"] = args.dump_dir
             loss_fn = torch.compile(loss_fn, backend="graphcomp", options=options)
 
+        tokens_per_step = world * args.batch_size * args.seq_len * args.grad_accum
+        fpt, peak = flops_per_token(cfg, n_params, args.seq_len), peak_flops(args, device)
+        say(f"[train] {world} rank(s) on {'cuda/nccl' if use_cuda else 'cpu/gloo'}; "
+            f"{type(model).__name__} {n_params / 1e6:.2f}M parameters; compute dtype "
+            f"{compute or torch.float32}; {tokens_per_step} tokens/step; data {data.describe()['kind']}")
+
         start = 0
         if args.resume:
             if args.resume == "latest":
@@ -380,14 +395,9 @@ def main(argv: list[str] | None = None) -> int:
             if path is None:
                 say(f"[train] no complete checkpoint in {args.ckpt_dir}: starting from step 0")
             else:
-                start = load_checkpoint(path, model, opt, sched, data, world)
+                start = load_checkpoint(path, args, model, opt, sched, data, world)
                 say(f"[train] resumed from {path} at step {start}")
 
-        tokens_per_step = world * args.batch_size * args.seq_len * args.grad_accum
-        fpt, peak = flops_per_token(cfg, n_params, args.seq_len), peak_flops(args, device)
-        say(f"[train] {world} rank(s) on {'cuda/nccl' if use_cuda else 'cpu/gloo'}; "
-            f"{type(model).__name__} {n_params / 1e6:.2f}M parameters; compute dtype "
-            f"{compute or torch.float32}; {tokens_per_step} tokens/step; data {data.describe()['kind']}")
 
         pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []  # (step, loss, grad norm, lr)
         t_last, steps_since = time.perf_counter(), 0

@@ -26,7 +26,7 @@ _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1b1b;max-width:1200px}
 h1{font-size:22px} h2{font-size:18px;border-bottom:2px solid #ccc;padding-bottom:4px;margin-top:36px}
 h3{font-size:15px;margin:20px 0 6px}
-table{border-collapse:collapse;margin:4px 0 12px} th,td{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}
+table{border-collapse:collapse;margin:4px 0 12px} th,td{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top;max-width:380px;overflow-wrap:anywhere}
 th{background:#f0f0f0} td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.changed td{background:#eef8ee} tr.off td{color:#888} .muted{color:#777}
 code,pre{font:12px ui-monospace,monospace} pre{background:#f7f7f7;padding:8px;overflow:auto}
