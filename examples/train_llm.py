@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                 path = save_checkpoint(args, done, model, opt, sched, data, rank, world)
                 say(f"[train] checkpoint {path}")
                 t_last = time.perf_counter()  # do not count the save as training time
+        # what graphcomp did (frames compiled, CUDA-graph captures/replays/fallbacks, bytes gathered)
+        say(f"[train] graphcomp counters: {json.dumps(dict(sorted(graphcomp.counters.items())))}")
     finally:
         teardown()  # release CUDA graphs (and their NCCL work) first
         dist.destroy_process_group()

@@ -148,6 +148,9 @@ def test_resume_gives_the_uninterrupted_runs_next_losses(tmp_path):
     assert [ln.split(" |")[0] for ln in lines] == ["step 2/6", "step 4/6", "step 6/6"], out
     for field in ("loss ", "lr ", "grad-norm ", "tok/s", "MFU n/a", "max RSS", "s/step"):
         assert all(field in ln for ln in lines), (field, lines)
+    counters = json.loads(out.split("[train] graphcomp counters: ")[1].splitlines()[0])
+    assert counters["frames_compiled"] == 1 and "recompiles" not in counters, counters  # no graph break
+    assert counters["bytes_gathered:float32"] > 0 and counters["collective_buckets"] >= 1, counters
     full = _metrics(tmp_path / "a.jsonl")
     assert sorted(full) == [1, 2, 3, 4, 5, 6]
     assert full[6]["loss"] < full[1]["loss"]  # it learns
