@@ -398,7 +398,6 @@ def main(argv: list[str] | None = None) -> int:
                 start = load_checkpoint(path, args, model, opt, sched, data, world)
                 say(f"[train] resumed from {path} at step {start}")
 
-
         pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []  # (step, loss, grad norm, lr)
         t_last, steps_since = time.perf_counter(), 0
         for step in range(start, args.steps):
@@ -440,9 +439,10 @@ def main(argv: list[str] | None = None) -> int:
                 pending, t_last, steps_since = [], time.perf_counter(), 0
 
             if args.ckpt_dir and ((args.ckpt_interval and done % args.ckpt_interval == 0) or done == args.steps):
+                t_save = time.perf_counter()
                 path = save_checkpoint(args, done, model, opt, sched, data, rank, world)
                 say(f"[train] checkpoint {path}")
-                t_last = time.perf_counter()  # do not count the save as training time
+                t_last += time.perf_counter() - t_save  # the save is not training time
         # what graphcomp did (frames compiled, CUDA-graph captures/replays/fallbacks, bytes gathered)
         say(f"[train] graphcomp counters: {json.dumps(dict(sorted(graphcomp.counters.items())))}")
     finally:
