@@ -48,6 +48,7 @@ def _bind_checkout_passes() -> None:
 
 _bind_checkout_passes()
 
+from . import _compat
 from . import env as _env
 from .config import Config
 from .sharding import shard
@@ -76,6 +77,7 @@ def backend(gm, example_inputs, **kwargs):  # noqa: ANN001 - Dynamo's backend si
     return graphcomp_backend(gm, example_inputs, **kwargs)
 
 
+_compat.graph_logger()  # registers the "graphcomp_graphs" artifact of torch._logging.set_logs
 _log = _logging.getLogger("graphcomp")
 if _env.log_level():
     _log.setLevel(_env.log_level())

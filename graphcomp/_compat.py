@@ -48,6 +48,56 @@ def trace_artifact(name: str, text: str | Callable[[], str]) -> None:
     trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"}, payload_fn=payload)
 
 
+GRAPH_ARTIFACT = "graphcomp_graphs"
+"""torch.compile logging artifact carrying graphcomp's graphs (see :func:`graph_logger`)."""
+
+
+@functools.lru_cache(None)
+def graph_logger() -> logging.Logger:
+    """The logger graphcomp's stage and pass-output graphs go to, at DEBUG.
+
+    It is torch's artifact logger ``graphcomp_graphs`` (registered here, at import
+    of graphcomp), a child of the ``graphcomp`` logger. ``TORCH_LOGS="+graphcomp"``
+    (the module-name form of ``TORCH_LOGS``) shows graphcomp's DEBUG logs and the
+    graphs with torch's formatting; ``TORCH_LOGS="graphcomp"`` only its INFO logs.
+    In a program: ``torch._logging.set_logs(modules={"graphcomp": logging.INFO,
+    "graphcomp_graphs": True})`` (the ``graphcomp`` entry gives the logger torch's
+    handler). ``TORCH_LOGS="graphcomp_graphs"`` cannot work: torch parses
+    ``TORCH_LOGS`` while it is imported, before graphcomp can register the name,
+    and rejects unknown names. Where the registration API is missing, a plain
+    ``graphcomp.graphs`` logger is used."""
+    try:
+        from torch._logging import getArtifactLogger
+        from torch._logging._internal import log_registry, register_artifact
+
+        if not log_registry.is_artifact(GRAPH_ARTIFACT):
+            register_artifact(GRAPH_ARTIFACT, "graphcomp's stage graphs and the output of every graphcomp pass")
+        return getArtifactLogger("graphcomp", GRAPH_ARTIFACT)
+    except Exception as e:  # pragma: no cover - a torch without the artifact registry
+        log.debug("torch artifact logging unavailable (%s); graphs go to the 'graphcomp.graphs' logger", e)
+        return logging.getLogger("graphcomp.graphs")
+
+
+def log_graph(name: str, gm: fx.GraphModule) -> None:
+    """Hand one graphcomp graph to the tools that collect torch.compile's graphs.
+
+    ``torch._dynamo.utils.lazy_format_graph_code`` is what torch calls for each of
+    its own graphs (Dynamo's, AOTAutograd's forward/backward); ``depyf.prepare_debug``
+    replaces that function's code to write every graph it is given into its dump
+    directory as ``__compiled_fn_<N>.<name>.<k>.py``. The formatted text then goes to
+    :func:`graph_logger` (TORCH_LOGS). Formatting is lazy: without depyf and with the
+    logger off this costs one object. A failure here never fails the compile."""
+    try:
+        from torch._dynamo.utils import lazy_format_graph_code
+
+        text = lazy_format_graph_code(name, gm, include_stride=True, include_device=True)
+    except Exception as e:
+        log.warning("graphcomp could not hand graph %r to torch's graph logging (depyf, TORCH_LOGS): %s: %s",
+                    name, type(e).__name__, e)
+        return
+    graph_logger().debug("%s", text)
+
+
 def current_compile_id() -> str | None:
     try:
         from torch._guards import CompileContext

@@ -9,6 +9,18 @@ import sys
 def _inspect(args: argparse.Namespace) -> int:
     from .inspect_dumps import inspect_dir
 
+    if args.html:
+        from .inspect_html import write_html
+
+        try:
+            if args.diff or args.stage or args.pass_name:
+                raise ValueError("--html writes whole frames: it takes --rank and --frame, not --stage/--pass/--diff")
+            out = write_html(args.dir, args.html, rank=args.rank, frame=args.frame)
+        except ValueError as e:
+            print(f"graphcomp inspect: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {out}")
+        return 0
     try:
         text = inspect_dir(args.dir, rank=args.rank, frame=args.frame, stage=args.stage, pass_name=args.pass_name, diff=args.diff)
     except ValueError as e:
@@ -30,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     pi.add_argument("--stage", choices=["dynamo", "joint", "fwd", "bwd", "inference"])
     pi.add_argument("--pass", dest="pass_name", metavar="PASS")
     pi.add_argument("--diff", action="store_true", help="unified diff of --pass's before/after graph")
+    pi.add_argument("--html", metavar="OUT.html",
+                    help="write one self-contained page (passes, pieces, collectives, memory charts) instead")
 
     pd = sub.add_parser("demo", help="train the demo Llama a few steps on 2 ranks (gloo CPU, or NCCL GPUs)")
     pd.add_argument("rest", nargs=argparse.REMAINDER, help="options for graphcomp.demo (see --help there)")

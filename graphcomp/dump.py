@@ -14,7 +14,9 @@ Each ``.txt`` is ``GraphModule.print_readable(include_stride=True, include_devic
 collectives (dtype, bytes, bucket) and partitions. Whether or not ``dump_dir`` is
 set, each stage's input and every changed pass output also go to torch's
 structured trace (``TORCH_TRACE=/tmp/t`` then ``tlparse``), named
-``graphcomp_frame<F>_<stage>_<NN>_<pass>``.
+``graphcomp_frame<F>_<stage>_<NN>_<pass>``, and under the same names to torch's
+graph logging (``_compat.log_graph``): ``depyf.prepare_debug`` dump directories
+and ``TORCH_LOGS="+graphcomp"``.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ class Dumper:
         text = readable(gm)
         self._write(stage, f"{what}.txt", text)
         if what == "input":
-            _compat.trace_artifact(f"graphcomp_frame{frame_id}_{stage}_input", text)
+            name = f"graphcomp_frame{frame_id}_{stage}_input"
+            _compat.trace_artifact(name, text)
+            _compat.log_graph(name, gm)
 
     def pass_graph(self, frame_id: int, stage: str, idx: int, name: str, when: str, gm: fx.GraphModule) -> None:
         if self.root is None and when == "before":
@@ -71,7 +75,9 @@ class Dumper:
         text = readable(gm)
         self._write(stage, f"{idx:02d}-{name}.{when}.txt", text)
         if when == "after":
-            _compat.trace_artifact(f"graphcomp_frame{frame_id}_{stage}_{idx:02d}_{name}", text)
+            art = f"graphcomp_frame{frame_id}_{stage}_{idx:02d}_{name}"
+            _compat.trace_artifact(art, text)
+            _compat.log_graph(art, gm)
 
 
 def write_summary(root: str | None, rank: int, frames: list[dict[str, Any]]) -> Path | None:

@@ -305,6 +305,27 @@ def persistent_inputs(gm: fx.GraphModule, stage: str, fw_static_idxs: Iterable[i
     return {n for i, n in enumerate(phs) if i in static}
 
 
+TIMELINE_POINTS = 400
+"""Most points of a timeline in ``summary.json`` (longer graphs keep each bucket's maximum)."""
+
+
+def bucket_max(values: list[int], step: int) -> list[int]:
+    """The maximum of each run of ``step`` consecutive values (the last run may be shorter)."""
+    return [max(values[i:i + step]) for i in range(0, len(values), step)]
+
+
+def timeline_summary(nodes: list[fx.Node], conservative: list[int], inductor: list[int],
+                     points: int = TIMELINE_POINTS) -> dict[str, Any]:
+    """JSON of the memory over a graph for charts (``graphcomp inspect --html``):
+    ``bytes`` (the ``peak_bytes`` model) and ``bytes_inductor`` per bucket of
+    ``step`` nodes in graph order (each bucket's maximum, so the peak survives),
+    and the graph positions of the collectives (``[index, kind]``)."""
+    step = max(1, -(-len(nodes) // points))
+    colls = [[i, k] for i, n in enumerate(nodes) if (k := gu.collective_kind(n)) is not None]
+    return {"num_nodes": len(nodes), "step": step, "bytes": bucket_max(conservative, step),
+            "bytes_inductor": bucket_max(inductor, step), "collectives": colls}
+
+
 def summary(gm: fx.GraphModule, top: int = 5, persistent: Iterable[fx.Node] | None = None) -> dict[str, Any]:
     """JSON for ``summary.json`` / ``graphcomp inspect``: estimated peak, where it
     occurs (node, its op, position) and the largest storages live there.
@@ -312,15 +333,19 @@ def summary(gm: fx.GraphModule, top: int = 5, persistent: Iterable[fx.Node] | No
     held until their wait); ``peak_bytes_allocated`` is what the CUDA caching
     allocator reports as allocated (``inputs_until_wait=False``) when every FX value
     is materialized (``codegen="eager"``); ``peak_bytes_inductor`` the same with
-    Inductor's fusion and in-place reuse modelled (``fused=True``), with its node."""
+    Inductor's fusion and in-place reuse modelled (``fused=True``), with its node;
+    ``timeline`` both models over the graph (:func:`timeline_summary`)."""
     try:
         nodes, live, size = intervals(gm, persistent=persistent)
         est = _estimate_from(nodes, live, size)
         alloc = estimate(gm, persistent=persistent, inputs_until_wait=False)
-        ind = estimate(gm, persistent=persistent, inputs_until_wait=False, fused=True)
+        ind_ivs = intervals(gm, persistent=persistent, inputs_until_wait=False, fused=True)
+        ind = _estimate_from(*ind_ivs)
+        line = timeline_summary(nodes, _timeline_from(nodes, live, size), _timeline_from(*ind_ivs))
     except Exception as e:  # a graph the model does not understand: say so, never fail the compile
         return {"error": f"{type(e).__name__}: {e}"}
     out = est.to_json()
+    out["timeline"] = line
     out["peak_bytes_allocated"] = alloc.peak_bytes
     out["peak_bytes_inductor"] = ind.peak_bytes
     out["peak_node_inductor"] = ind.peak_node

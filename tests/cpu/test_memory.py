@@ -213,3 +213,29 @@ def test_summary_reports_the_inductor_estimate():
     s = memory.summary(gm)
     assert s["peak_bytes_allocated"] == 3 * 4096  # x, mul and add materialized
     assert s["peak_bytes_inductor"] == 4096 + 4  # x and the sum only
+
+
+def test_timeline_for_charts_keeps_the_peak_and_marks_collectives():
+    def f(x):
+        return (x * 2 + 1).sum()
+
+    gm = trace(f, torch.randn(256))
+    s = memory.summary(gm)
+    tl = s["timeline"]
+    assert tl["num_nodes"] == len(gm.graph.nodes) and tl["step"] == 1
+    assert tl["bytes"] == memory.timeline(gm)  # one point per node: the whole timeline
+    assert max(tl["bytes"]) == s["peak_bytes"] and max(tl["bytes_inductor"]) == s["peak_bytes_inductor"]
+    assert tl["collectives"] == []
+    g = trace(lambda s: (gather(s, 4, "g", shape=(8, 16)) * 2).sum(), torch.randn(2, 16))
+    tl = memory.summary(g)["timeline"]
+    idx = [i for i, n in enumerate(g.graph.nodes) if "all_gather" in str(n.target)]
+    assert tl["collectives"] == [[i, "all_gather"] for i in idx] and idx
+
+
+def test_timeline_buckets_keep_each_buckets_maximum():
+    assert memory.bucket_max([1, 5, 2, 2, 9, 0, 3], 3) == [5, 9, 3]
+    nodes = list(trace(lambda x: x + 1, torch.randn(4)).graph.nodes)
+    tl = memory.timeline_summary(nodes * 100, list(range(len(nodes) * 100)), [7] * (len(nodes) * 100), points=10)
+    n = len(nodes) * 100
+    assert tl["step"] == -(-n // 10) and len(tl["bytes"]) <= 10
+    assert tl["bytes"][-1] == n - 1 and tl["bytes_inductor"] == [7] * len(tl["bytes"])
