@@ -88,7 +88,18 @@ def _resolve_backend(graphcomp) -> tuple[object, str]:
     return graphcomp_backend, "backend=graphcomp.backend.graphcomp_backend (entry point not installed: pip install -e .)"
 
 
+CUDAGRAPH_COUNTERS = ("cudagraph_fallbacks", "recaptures", "hazard_recaptures", "captures", "pieces_captured",
+                      "pieces_eager", "capture_failures")
+"""graphcomp's CUDA-graph counters: always in a graphcomp row's ``stats.counters`` (0 when
+never incremented), and their change over the measured steps in ``stats.counters_measured``."""
+
+
 def _counters(graphcomp) -> dict:
+    """``graphcomp.counters`` as a plain dict, with every :data:`CUDAGRAPH_COUNTERS` key."""
+    return {**{k: 0 for k in CUDAGRAPH_COUNTERS}, **_raw_counters(graphcomp)}
+
+
+def _raw_counters(graphcomp) -> dict:
     c = getattr(graphcomp, "counters", None)
     if c is None:
         return {}
@@ -140,7 +151,7 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None) -> Built:
         cfg.update({
             "wrapping": "graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32), then torch.compile",
             "mixed_precision": "param_dtype=bf16 (gathered weights bf16), reduce_dtype=fp32; no autocast",
-            "compute": "bf16 params/activations; RMSNorm, RoPE and loss upcast to fp32 inside the model",
+            "compute": workloads.compute_note(ctx.workload),
             "master_weights": "fp32 shards (optimizer built on model.parameters() after shard)",
         })
     else:
@@ -156,11 +167,32 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None) -> Built:
         if callable(reset):
             reset()
 
+    window: dict[str, dict] = {}
+
+    def on_window(phase: str) -> None:
+        window[phase] = _counters(graphcomp)
+
     def stats() -> dict:
-        return {"counters": _counters(graphcomp), "memory_estimate": memory_estimate(opt)}
+        out = {"counters": _counters(graphcomp), "memory_estimate": memory_estimate(opt),
+               "cuda_graphs_possible": ctx.device.type == "cuda"}
+        if "start" in window and "end" in window:
+            out["counters_measured"] = counters_delta(window["start"], window["end"])
+        return out
 
     return Built(step=standard_step(compiled, opt, ctx.device, autocast=not sharded), config=cfg, compiles=True,
-                 keep=[compiled, model, opt], teardown=teardown, stats=stats)
+                 keep=[compiled, model, opt], teardown=teardown, stats=stats, on_window=on_window)
+
+
+def counters_delta(start: dict, end: dict) -> dict:
+    """How much each numeric counter moved between two snapshots: every
+    :data:`CUDAGRAPH_COUNTERS` key, plus any other counter that changed."""
+    keys = list(CUDAGRAPH_COUNTERS) + sorted(k for k in end if k not in CUDAGRAPH_COUNTERS)
+    out = {}
+    for k in keys:
+        a, b = start.get(k, 0), end.get(k, 0)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and (k in CUDAGRAPH_COUNTERS or a != b):
+            out[k] = b - a
+    return out
 
 
 def memory_estimate(opt: torch.optim.Optimizer, codegen: str = "inductor") -> dict:

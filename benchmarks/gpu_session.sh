@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh                 # runs W1:2 W2:4 W1:1 W2:2, most important first
 #   bash benchmarks/gpu_session.sh W1:1 W1:2       # RUN = WORKLOAD:NGPU, in the order given
+#   bash benchmarks/gpu_session.sh hf-llama,hf-gpt2:2 hf-all:2   # several workloads, one process each RUN
 #
 # Every run is `torchrun --nproc-per-node NGPU -m benchmarks.run` inside `timeout`, with
 # the time left of BUDGET_S; a run that no longer fits is skipped (said so), and a run
@@ -16,6 +17,7 @@
 #   ABLATION=1        add the graphcomp per-pass ablation to W1 runs on 2 GPUs
 #   PROFILE=0         no profiler idle share (default: 3 extra profiled steps per system)
 #   TRACE=sys1,sys2   also write rank 0's Chrome trace of the profiled steps for these systems
+#   HF_SIZE           hf-* runs: --hf-size (default: the workloads' own, small)
 #   BENCH_GIT_COMMIT  the commit to record (the GPU machine's copy has no .git)
 #   BENCH_NGPU        pretend this many GPUs (dry run on a CPU machine: smoke:2 runs on gloo)
 #
@@ -52,8 +54,20 @@ est() {
     W1:graphcomp*) echo 90 ;;   W2:graphcomp*) echo 120 ;;
     W1:deepspeed_z3) echo 30 ;; W2:deepspeed_z3) echo 45 ;;
     W1:deepcompile) echo 150 ;; W2:deepcompile) echo 180 ;;  # + ~60 s JIT build of its op, first time
+    hf-*:graphcomp*) echo 60 ;; hf-*:fsdp2_compile) echo 20 ;; hf-*:fsdp2) echo 12 ;;
+    hf-*:ddp_compile|hf-*:inductor) echo 40 ;; hf-*:ddp) echo 12 ;;
     *) echo 60 ;;
   esac
+}
+
+# number of workloads in a RUN's WORKLOAD part (a comma list; hf-all = every hf-* workload)
+n_workloads() {
+  local n=0 w
+  for w in ${1//,/ }; do
+    if [ "$w" = "hf-all" ]; then n=$(( n + $(python3 -c 'from benchmarks import hf_models; print(len(hf_models.FAMILIES))' 2>/dev/null || echo 8) ))
+    else n=$(( n + 1 )); fi
+  done
+  echo "$n"
 }
 
 default_systems() {
@@ -61,6 +75,8 @@ default_systems() {
     W1:1) echo "graphcomp,inductor" ;;
     W1:2) echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,deepspeed_z3,deepcompile" ;;
     W2:2) echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile" ;;
+    hf-*:1) echo "graphcomp,inductor" ;;
+    hf-*) echo "graphcomp,fsdp2_compile,fsdp2" ;;
     *)    echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,deepspeed_z3,deepcompile" ;;
   esac
 }
@@ -97,8 +113,9 @@ for run in "${RUNS[@]}"; do
   S=${SYSTEMS:-$(default_systems "$W" "$N")}
   if [ "${ABLATION:-0}" = "1" ] && [ "$W:$N" = "W1:2" ]; then S="$S,graphcomp-ablation"; fi
   total=25
-  say "run $run systems=$S; estimated seconds per system:"
-  for s in ${S//,/ }; do e=$(est "$W" "$s"); total=$(( total + e )); say "    $s ~${e}s"; done
+  NW=$(n_workloads "$W")
+  say "run $run systems=$S; estimated seconds per system$([ "$NW" -gt 1 ] && echo " and workload, x $NW workloads"):"
+  for s in ${S//,/ }; do e=$(est "$W" "$s"); total=$(( total + NW * e )); say "    $s ~${e}s"; done
   L=$(left)
   say "    estimated total ~${total}s (25 s start-up); time left ${L}s"
   if [ "$L" -lt 60 ]; then say "SKIP $run: under 60 s left"; continue; fi
@@ -107,6 +124,7 @@ for run in "${RUNS[@]}"; do
   extra=()
   [ "$PROFILE" = "1" ] && extra+=(--profile --profile-steps 3)
   [ "$PROFILE" = "1" ] && [ -n "${TRACE:-}" ] && extra+=(--trace "$TRACE")
+  [ -n "${HF_SIZE:-}" ] && [[ "$W" == hf-* ]] && extra+=(--hf-size "$HF_SIZE")
   CUDA_VISIBLE_DEVICES=$devs timeout -k 20 $(( L - 10 )) \
     python3 -m torch.distributed.run --standalone --nproc-per-node "$N" -m benchmarks.run \
       --workload "$W" --warmup "$WARMUP" --steps "$STEPS" --systems "$S" --out-dir "$RES" \

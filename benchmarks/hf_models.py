@@ -148,10 +148,27 @@ def num_params(model: torch.nn.Module) -> int:
 
 
 def flops_per_token(model: torch.nn.Module, seq: int) -> float:
-    """6 N (parameters excluding the embedding table) + attention (12 L d seq): the
-    nominal training FLOPs per token (MoE: every expert counted, an upper bound)."""
+    """Nominal training FLOPs per token, counted as ``graphcomp.models.flops_per_token``
+    counts its Llama: 6 x the matmul weights a token passes through (every parameter of
+    2+ dims outside an ``nn.Embedding``; a tied LM head counted as the matmul it is; MoE
+    experts (``.experts.`` parameters) scaled by ``num_experts_per_tok /
+    num_local_experts``: the experts a token is routed to) plus attention's score and
+    value matmuls, ``12 L (heads x head_dim) seq``, halved for causal models."""
     cfg = model.config
     d = getattr(cfg, "hidden_size", None) or cfg.n_embd
     layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
-    emb = cfg.vocab_size * d
-    return 6.0 * (num_params(model) - emb) + 12.0 * layers * d * seq
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    head_dim = getattr(cfg, "head_dim", None) or d // heads
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    active = getattr(cfg, "num_experts_per_tok", None)
+    experts = getattr(cfg, "num_local_experts", None)
+    dense = 0.0
+    for name, p in model.named_parameters():  # tied parameters once
+        if p.dim() < 2 or id(p) in tables:
+            continue
+        dense += p.numel() * (active / experts if experts and ".experts." in name else 1.0)
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and emb is not None and head.weight is emb.weight:
+        dense += head.weight.numel()
+    causal = FAMILIES[model.graphcomp_family].kind == "causal"
+    return 6.0 * dense + 12.0 * layers * heads * head_dim * seq * (0.5 if causal else 1.0)

@@ -12,6 +12,8 @@ import math
 import os
 from typing import Any
 
+from . import hf_models
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -57,6 +59,15 @@ TARGETS: dict[tuple[str, int], list[dict]] = {
                 dict(kind="compile", system="graphcomp", max_s=180.0)],
 }
 
+# BENCHMARKS.md / issue 12, every hf-* workload on 2 GPUs: CUDA graphs reach a steady
+# state (nothing falls back or re-captures while the steps are timed), peak memory
+# <= fsdp2_compile's, and on decoder (causal LM) families >= 2x fsdp2_compile.
+HF_TARGETS: dict[int, list[dict]] = {
+    2: [dict(kind="steady", system="graphcomp", max=0),
+        dict(kind="speed", system="graphcomp", baseline="fsdp2_compile", min=2.0, families="causal"),
+        dict(kind="memory", system="graphcomp", baseline="fsdp2_compile", max=1.0)],
+}
+
 
 def empty_metrics() -> dict[str, Any]:
     return {k: None for k in METRIC_KEYS}
@@ -97,13 +108,22 @@ def loss_parity(systems: dict[str, dict], warmup: int) -> dict:
 
 
 # --------------------------------------------------------------------------- targets
-def evaluate_targets(workload: str, world: int, systems: dict[str, dict]) -> list[dict]:
+def targets_for(workload: str, world: int, family: str | None = None) -> list[dict]:
+    """The targets a run of ``workload`` on ``world`` ranks is judged by (``family``:
+    the HF family of an hf-* workload)."""
+    if family is None:
+        return TARGETS.get((workload, world), [])
+    kind = hf_models.FAMILIES[family].kind
+    return [t for t in HF_TARGETS.get(world, []) if t.get("families", kind) == kind]
+
+
+def evaluate_targets(workload: str, world: int, systems: dict[str, dict], family: str | None = None) -> list[dict]:
     def metric(name, key):
         r = systems.get(name)
         return r["metrics"][key] if r and r["status"] == "ok" else None
 
     out = []
-    for t in TARGETS.get((workload, world), []):
+    for t in targets_for(workload, world, family):
         row = dict(t, value=None, met=None)
         if t["kind"] == "speed":
             a, b = metric(t["system"], "tokens_per_s_per_gpu"), metric(t["baseline"], "tokens_per_s_per_gpu")
@@ -120,6 +140,13 @@ def evaluate_targets(workload: str, world: int, systems: dict[str, dict]) -> lis
             if _num(a):
                 row["value"] = a
                 row["met"] = a <= t["max_s"]
+        elif t["kind"] == "steady":  # CUDA graphs only: on CPU nothing is captured, no verdict
+            r = systems.get(t["system"])
+            st = (r.get("stats") or {}) if r and r["status"] == "ok" else {}
+            moved = st.get("counters_measured")
+            if st.get("cuda_graphs_possible") and moved is not None:
+                row["value"] = moved.get("cudagraph_fallbacks", 0) + moved.get("recaptures", 0)
+                row["met"] = row["value"] <= t["max"]
         out.append(row)
     return out
 
@@ -129,6 +156,8 @@ def _target_text(t: dict) -> str:
         want = f"{t['system']} tokens/s ≥ {t['min']}× {t['baseline']}"
     elif t["kind"] == "memory":
         want = f"{t['system']} peak mem ≤ {t['max']}× {t['baseline']}"
+    elif t["kind"] == "steady":
+        want = f"{t['system']} CUDA-graph fallbacks + recaptures during the measured steps ≤ {t['max']}"
     else:
         want = f"{t['system']} cold compile ≤ {t['max_s']:.0f} s"
     got = "not measured" if t["value"] is None else f"{t['value']:.3g}"
@@ -155,11 +184,11 @@ def _pct(x) -> str:
 def markdown(result: dict) -> str:
     w, env, systems = result["workload"], result["env"], result["systems"]
     world = env["world_size"]
-    lines = [f"# {w['name']} on {world} × {env['device_name']} ({env['device_type']})", "",
+    lines = [f"# {_title(w)} on {world} × {env['device_name']} ({env['device_type']})", "",
              f"{env['date']} · torch {env['torch']} · CUDA {env['cuda']} · NCCL {env['nccl']} · "
              f"commit {(env['git_commit'] or 'unknown')[:12]}"
              f"{' (dirty)' if env.get('git_dirty') else ''} · DeepSpeed {env['deepspeed']}", "",
-             f"model preset `{w['preset']}` ({result['model']['params'] / 1e6:.4g}M params), micro-batch "
+             f"{_model_text(w, result['model'])} ({result['model']['params'] / 1e6:.4g}M params), micro-batch "
              f"{w['batch']} × seq {w['seq']} per rank, {w['warmup']} warmup + {w['steps']} measured steps"
              f"{', activation checkpointing' if w['activation_checkpointing'] else ''}; "
              f"matmul bf16 measured: {_fmt(env['matmul_bf16_tflops_measured'], '.0f')} TFLOP/s", ""]
@@ -197,6 +226,11 @@ def markdown(result: dict) -> str:
                              f"{meas:.2f} GiB: measured/estimated {meas / e:.2f}")
     if est_lines:
         lines += ["", "graphcomp memory model vs measured peak (rank max):", ""] + est_lines
+    cg_lines = [f"- {name}: {_cudagraph_text(r['stats'])}" for name, r in systems.items()
+                if r["status"] == "ok" and "counters" in (r.get("stats") or {})]
+    if cg_lines:
+        lines += ["", "graphcomp CUDA graphs (rank 0; whole run, and during the measured steps after the arrow):",
+                  ""] + cg_lines
     p = result.get("loss_parity") or {}
     if p.get("reference"):
         lines += ["", f"Loss parity vs `{p['reference']}` (max relative difference over measured steps; "
@@ -211,6 +245,28 @@ def markdown(result: dict) -> str:
                   "rate measured in this run; compile = wall time of the first step (cold) and of the first "
                   "step after a Dynamo reset (warm, --warm-compile). See benchmarks/README.md."]
     return "\n".join(lines) + "\n"
+
+
+def _title(w: dict) -> str:
+    return f"{w['name']} ({w['preset']})" if w.get("family") else w["name"]
+
+
+def _model_text(w: dict, model: dict) -> str:
+    if w.get("family"):
+        return f"model `{model.get('hf_class', w['family'])}` (transformers, size `{w['preset']}`)"
+    return f"model preset `{w['preset']}`"
+
+
+def _cudagraph_text(stats: dict) -> str:
+    c, m = stats["counters"], stats.get("counters_measured") or {}
+
+    def both(k):
+        return f"{c.get(k, 0)}" + (f" → {m[k]}" if k in m else "")
+
+    txt = (f"captures {both('captures')}, pieces captured {both('pieces_captured')}, pieces eager "
+           f"{both('pieces_eager')}, capture failures {both('capture_failures')}, fallbacks "
+           f"{both('cudagraph_fallbacks')}, recaptures {both('recaptures')} (hazard {both('hazard_recaptures')})")
+    return txt if stats.get("cuda_graphs_possible", True) else txt + "; no CUDA here: nothing is captured"
 
 
 def write_png(path: str, result: dict) -> str | None:
@@ -250,7 +306,7 @@ def write_png(path: str, result: dict) -> str | None:
             ax.text(x + top * 0.01, i, label, va="center", fontsize=8)
     if any(_num(v) for v in mem):
         axes[1].legend(loc="lower right", fontsize=8)
-    fig.suptitle(f"{w['name']} · {env['world_size']} × {env['device_name']} · micro-batch {w['batch']} × seq "
+    fig.suptitle(f"{_title(w)} · {env['world_size']} × {env['device_name']} · micro-batch {w['batch']} × seq "
                  f"{w['seq']} · torch {env['torch']} · {env['date'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -45,7 +44,9 @@ RUN_LAST = ("deepspeed_z3", "deepcompile")  # DeepSpeed patches torch internals:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks.run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--workload", default="smoke", choices=sorted(workloads.WORKLOADS))
+    p.add_argument("--workload", default="smoke",
+                   help=f"one of {sorted(workloads.WORKLOADS)}, a comma list of them (run one after another in "
+                        f"this process, one result file each) or hf-all (every hf-* workload)")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
                    help=f"comma list from {sorted(ALL_BUILDERS)}, '{ABLATION_PREFIX}<pass>', "
                         "'graphcomp-ablation' (every default-on pass off in turn) or 'all'")
@@ -55,6 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="micro-batch per rank (workload default)")
     p.add_argument("--seq", type=int, help="sequence length (workload default)")
     p.add_argument("--activation-checkpointing", choices=("on", "off"), help="override the workload's setting")
+    p.add_argument("--hf-size", choices=sorted(workloads.HF_SIZE_SHAPES),
+                   help="hf-* workloads: model size (benchmarks/hf_models.py SIZES; default small); batch, seq "
+                        "and step counts follow the size unless given")
+    p.add_argument("--hf-dropout", type=float,
+                   help="hf-* workloads: set every dropout of the model (default: the family's own)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -212,6 +218,8 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
         t_log, last = time.perf_counter(), 0
         for s in range(1, total):
             if s == w.warmup:
+                if built.on_window is not None:
+                    built.on_window("start")
                 timer.mark()
             losses.append(built.step(*batches[s]))
             if s >= w.warmup:
@@ -223,6 +231,8 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
                 phase = "measure" if s >= w.warmup else "warmup"
                 P(f"[bench] system={name} step {s + 1}/{total} ({phase}) loss={lv:.4f} {dt:.1f} ms")
         times = timer.times_ms()
+        if built.on_window is not None:
+            built.on_window("end")
         alloc, resv = measure.peak_memory_gib(device)
         dyn1 = measure.dynamo_stats()
         loss_t = torch.stack([x.float() for x in losses]).double()
@@ -232,7 +242,7 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
         med, alloc, resv = measure.allreduce_floats([measure.median(times), alloc, resv], "max", device)
         m = res["metrics"]
         tps = w.batch * w.seq / (med / 1e3)
-        fpt = workloads.flops_per_token(workloads.model_config(w), w.seq)
+        fpt = ctx.flops_per_token if ctx.flops_per_token is not None else workloads.model_info(w)["flops_per_token"]
         m.update(tokens_per_s_per_gpu=tps, step_time_ms_median=med, step_times_ms=[round(t, 3) for t in times],
                  mfu=fpt * tps / measure.PEAK_BF16_FLOPS,
                  mfu_vs_measured_matmul=(fpt * tps / (matmul_tflops * 1e12)) if matmul_tflops else None,
@@ -299,7 +309,7 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
 def _output_stem(args, w, world) -> str:
     os.makedirs(args.out_dir, exist_ok=True)
     date = _dt.date.today().isoformat()
-    stem = os.path.join(args.out_dir, f"{date}-{w.name}-{world}gpu{('-' + args.tag) if args.tag else ''}")
+    stem = os.path.join(args.out_dir, f"{date}-{w.label}-{world}gpu{('-' + args.tag) if args.tag else ''}")
     if os.path.exists(stem + ".json"):
         stem += _dt.datetime.now().strftime("-%H%M%S")
     return stem
@@ -326,6 +336,53 @@ def _relaunch(args, argv: list[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def expand_workloads(spec: str) -> list[str]:
+    """Workload names of ``--workload``: a comma list; ``hf-all`` = every hf-* workload."""
+    names: list[str] = []
+    for n in (x.strip() for x in spec.split(",")):
+        if not n:
+            continue
+        add = [k for k in workloads.WORKLOADS if k.startswith("hf-")] if n == "hf-all" else [n]
+        names += [a for a in add if a not in names]
+    if not names:
+        raise SystemExit("benchmarks.run: --workload is empty")
+    return names
+
+
+def run_workload(w: workloads.Workload, systems, args, env: dict, device, rank: int, world: int, P: Printer) -> dict:
+    """Every system on workload ``w``; writes <stem>.json/.md/.png (rank 0) after each."""
+    model_info = workloads.model_info(w)
+    stem = _output_stem(args, w, world) if rank == 0 else None
+    n_params = model_info["params"]
+    result = {
+        "schema": report.SCHEMA_VERSION, "workload": w.to_json(), "model": model_info,
+        "env": env, "args": vars(args), "systems": {}, "loss_parity": None, "targets": [], "notes": [],
+    }
+    model_desc = f"preset={w.preset}" if w.family is None else f"model={model_info['hf_class']} size={w.preset}"
+    P(f"[bench] workload={w.name} {model_desc} params={n_params / 1e6:.4g}M batch={w.batch} seq={w.seq} "
+      f"world={world} device={env['device_name']} systems={','.join(n for n, _ in systems)}")
+    args.trace_base = os.path.join(args.out_dir, f"{_dt.date.today().isoformat()}-{w.label}-{world}gpu"
+                                                 f"{('-' + args.tag) if args.tag else ''}")
+    batches = workloads.make_batches(w, w.warmup + w.steps, rank, world, args.seed, device)
+    for name, builder in systems:
+        ctx = Ctx(workload=w, device=device, rank=rank, world=world, seed=args.seed,
+                  flops_per_token=model_info["flops_per_token"])
+        result["systems"][name] = run_system(name, builder, ctx, args, batches,
+                                             env["matmul_bf16_tflops_measured"], P)
+        result["loss_parity"] = report.loss_parity(result["systems"], w.warmup)
+        result["targets"] = report.evaluate_targets(w.name, world, result["systems"], family=w.family)
+        if rank == 0:  # after every system, so a timeout keeps what finished
+            result["notes"] = report.write_all(stem, result, png=not args.no_png)
+    if rank == 0:
+        for note in result["notes"]:
+            P(f"[bench] note: {note}")
+        P(report.markdown(result))
+        P(f"[bench] wrote {stem}.json, {stem}.md" + ("" if args.no_png or result["notes"] else f", {stem}.png"))
+    del batches
+    measure.free_memory(device)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -336,44 +393,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("BENCH_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     ac = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
-    w = workloads.get_workload(args.workload, batch=args.batch, seq=args.seq, warmup=args.warmup,
-                               steps=args.steps, activation_checkpointing=ac)
+    try:  # every workload is checked before any process group starts
+        ws = [workloads.get_workload(n, batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps,
+                                     activation_checkpointing=ac, hf_size=args.hf_size, hf_dropout=args.hf_dropout)
+              for n in expand_workloads(args.workload)]
+    except ValueError as e:
+        raise SystemExit(f"benchmarks.run: {e}") from None
     systems = expand_systems(args.systems, args.ablation)
     device, rank, world = setup_distributed(args)
     P = Printer(rank)
     try:
-        cfg = workloads.model_config(w)
         env = measure.environment(device, world)
         mm = measure.bf16_matmul_tflops(device)
         env["matmul_bf16_tflops_measured"] = measure.allreduce_floats([mm], "min", device)[0]
-        stem = _output_stem(args, w, world) if rank == 0 else None
-        with torch.device("meta"):
-            n_params = workloads.num_params(workloads.Llama(cfg))
-        result = {
-            "schema": report.SCHEMA_VERSION, "workload": w.to_json(),
-            "model": {"preset": w.preset, "config": dataclasses.asdict(cfg),
-                      "params": n_params, "flops_per_token": workloads.flops_per_token(cfg, w.seq)},
-            "env": env, "args": vars(args), "systems": {}, "loss_parity": None, "targets": [], "notes": [],
-        }
-        P(f"[bench] workload={w.name} preset={w.preset} params={n_params / 1e6:.4g}M batch={w.batch} seq={w.seq} "
-          f"world={world} device={env['device_name']} systems={','.join(n for n, _ in systems)}")
         os.makedirs(args.out_dir, exist_ok=True)
-        args.trace_base = os.path.join(args.out_dir, f"{_dt.date.today().isoformat()}-{w.name}-{world}gpu"
-                                                     f"{('-' + args.tag) if args.tag else ''}")
-        batches = workloads.make_batches(w, w.warmup + w.steps, rank, world, args.seed, device)
-        for name, builder in systems:
-            ctx = Ctx(workload=w, device=device, rank=rank, world=world, seed=args.seed)
-            result["systems"][name] = run_system(name, builder, ctx, args, batches,
-                                                 env["matmul_bf16_tflops_measured"], P)
-            result["loss_parity"] = report.loss_parity(result["systems"], w.warmup)
-            result["targets"] = report.evaluate_targets(w.name, world, result["systems"])
-            if rank == 0:  # after every system, so a timeout keeps what finished
-                result["notes"] = report.write_all(stem, result, png=not args.no_png)
-        if rank == 0:
-            for note in result["notes"]:
-                P(f"[bench] note: {note}")
-            P(report.markdown(result))
-            P(f"[bench] wrote {stem}.json, {stem}.md" + ("" if args.no_png or result["notes"] else f", {stem}.png"))
+        for w in ws:
+            run_workload(w, systems, args, env, device, rank, world, P)
     finally:
         torch._dynamo.reset()
         if dist.is_initialized():

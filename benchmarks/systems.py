@@ -39,6 +39,8 @@ class Ctx:
     rank: int
     world: int
     seed: int
+    flops_per_token: float | None = None
+    """the model's FLOPs per token at the workload's seq (``workloads.model_info``)"""
 
 
 @dataclass
@@ -54,6 +56,9 @@ class Built:
     teardown: Callable[[], None] | None = None
     stats: Callable[[], dict] | None = None
     """system-specific facts read after the run (e.g. graphcomp counters)"""
+    on_window: Callable[[str], None] | None = None
+    """called with "start" before the first measured step and "end" after the last one
+    (graphcomp snapshots its counters: what moved while the steps were timed)"""
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -94,15 +99,16 @@ def _common_config(ctx: Ctx) -> dict:
             "activation_checkpointing": ("torch.utils.checkpoint(use_reentrant=False) per block"
                                          if w.activation_checkpointing else None),
             "grad_clip": f"torch.nn.utils.clip_grad_norm_(params, {CLIP})",
-            "init": f"fp32, seed {ctx.seed}, generator on {ctx.device.type}, before any wrapping"}
+            "init": workloads.init_note(w, ctx.device, ctx.seed)}
 
 
-def _compile_blocks(model: nn.Module) -> int:
+def _compile_blocks(model: nn.Module, fullgraph: bool = True) -> int:
     """torchtitan's recipe: ``torch.compile(block, fullgraph=True)`` per block,
-    re-registered under the same name, before ``fully_shard``."""
+    re-registered under the same name, before ``fully_shard`` (``fullgraph=False``
+    only for a workload whose blocks have data-dependent control flow)."""
     n = 0
     for name, blk in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(blk, fullgraph=True))
+        model.layers.register_module(name, torch.compile(blk, fullgraph=fullgraph))
         n += 1
     return n
 
@@ -121,7 +127,8 @@ def build_fsdp2(ctx: Ctx, compile_blocks: bool = False) -> Built:
 
     fully_shard, MixedPrecisionPolicy = _fsdp2_api()
     model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
-    n_compiled = _compile_blocks(model) if compile_blocks else 0
+    fullgraph = ctx.workload.block_fullgraph
+    n_compiled = _compile_blocks(model, fullgraph) if compile_blocks else 0
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
     layers = list(model.layers)
@@ -135,9 +142,9 @@ def build_fsdp2(ctx: Ctx, compile_blocks: bool = False) -> Built:
         "wrapping": ("fully_shard(block, mesh=1-D mesh over all ranks, mp_policy, "
                      "reshard_after_forward=True except the last block) for each block; fully_shard(root)"),
         "mixed_precision": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); no autocast",
-        "compute": "bf16 params/activations; RMSNorm, RoPE and loss upcast to fp32 inside the model",
+        "compute": workloads.compute_note(ctx.workload),
         "master_weights": "fp32 DTensor shards (dim 0)",
-        "compile": (f"torch.compile(block, fullgraph=True) for {n_compiled} blocks, before fully_shard"
+        "compile": (f"torch.compile(block, fullgraph={fullgraph}) for {n_compiled} blocks, before fully_shard"
                     if compile_blocks else None),
     }
     return Built(step=standard_step(model, opt, ctx.device, autocast=False), config=cfg,
