@@ -208,3 +208,69 @@ def test_process_exits_while_graphs_are_alive(nproc, tmp_path):
         pytest.skip(f"needs {nproc} GPUs")
     results = _torchrun(nproc, "exit", tmp_path, timeout=120)
     assert all(r["captures"] >= 1 for r in results)
+
+
+# ------------------------------------------------------ a capture that fails (issue 12)
+@torch.library.custom_op("graphcomp_test::host_peek", mutates_args=())
+def _host_peek(x: torch.Tensor) -> torch.Tensor:
+    """Reads a value on the host (a sync, illegal under stream capture) and carries
+    no tag saying so: partition_graph cannot predict it, the capture fails."""
+    _ = x.sum().item()
+    return x * 2
+
+
+@_host_peek.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class PeekMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(32, 64)
+        self.l2 = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        h = torch.ops.graphcomp_test.host_peek(h)
+        return self.l2(torch.tanh(h)).pow(2).mean()
+
+
+def _peek_train(options, steps=4):
+    torch.manual_seed(0)
+    m = PeekMLP().cuda()
+    cm = torch.compile(m, backend="graphcomp", options=options) if options is not None else m
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    losses = []
+    for s in range(steps):
+        x = torch.randn(16, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(s))
+        loss = cm(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in m.parameters()]
+
+
+def test_capture_failure_auto_trains_on_with_the_piece_eager():
+    ref_l, ref_p = _peek_train(None)
+    graphcomp.reset()
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="cannot be captured"):
+        losses, params = _peek_train({"codegen": "eager"})
+    torch.testing.assert_close(losses, ref_l, rtol=0, atol=0)
+    for a, b in zip(params, ref_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    c = graphcomp.counters
+    assert c["capture_failures"] >= 1, dict(c)
+    rows = [r for f in graphcomp.state.STATE.frames for d in f["stages"].values() for r in d.get("partitions", [])]
+    failed = [r for r in rows if str(r.get("reason", "")).startswith("capture_failed")]
+    assert failed and all(r["mode"] == "eager" for r in failed), rows
+    assert "not permitted" in failed[0]["reason"] or "capturing" in failed[0]["reason"], failed[0]
+
+
+def test_capture_failure_require_raises_naming_the_piece():
+    from graphcomp.errors import CudaGraphsRequired
+
+    with pytest.raises(CudaGraphsRequired, match=r"piece_\d+ failed to capture"):
+        _peek_train({"codegen": "eager", "cudagraphs": "require"}, steps=1)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU session: the GPU tests that matter now, logs and JSON under $OUT (or ./gpu-out).
+#   bash tests/gpu/session.sh [zoo,cudagraphs,sharding,...]      (default: zoo,cudagraphs)
+# Every step runs under its own timeout; a failing step does not stop the next one.
+set -u
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
+python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "[session] pip install -e . failed"
+{
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) dirty=$(git status --porcelain 2>/dev/null | wc -l)"
+  nvidia-smi -L
+  python -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+} 2>&1 | tee "$OUT/env.txt"
+STEPS=${1:-zoo,cudagraphs}
+run() {  # name timeout_s cmd...
+  local name=$1 t=$2; shift 2
+  case ",$STEPS," in *",$name,"*) ;; *) return ;; esac
+  echo "[session] $name (timeout ${t}s): $*"
+  local t0=$SECONDS
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "[session] $name rc=$? in $((SECONDS - t0)) s"
+  tail -n 25 "$OUT/$name.log"
+}
+GC_ZOO_OUT="$OUT/zoo" run zoo ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 1gpu
+run cudagraphs ${CG_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py
+run sharding 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_sharding_nccl.py
+[ -d "$OUT/zoo" ] && tar czf "$OUT/zoo.tgz" -C "$OUT" zoo && rm -rf "$OUT/zoo"
+ls -la "$OUT"
