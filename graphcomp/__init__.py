@@ -70,14 +70,19 @@ def reset() -> None:
     _manager.reset()
 
 
+# the submodule graphcomp.backend is loaded first, so that the name `backend` below
+# (the callable) is what the package exports: a later `import graphcomp.backend` finds
+# the module in sys.modules and does not rebind the package attribute
+from . import backend as _backend_module  # noqa: E402
+
+
 def backend(gm, example_inputs, **kwargs):  # noqa: ANN001 - Dynamo's backend signature
-    """The Dynamo backend callable (same as ``backend="graphcomp"``)."""
-    from .backend import graphcomp_backend
+    """The Dynamo backend callable, the same as ``backend="graphcomp"``:
+    ``torch.compile(model, backend=graphcomp.backend)`` (options through
+    ``functools.partial(graphcomp.backend, options={...})``)."""
+    return _backend_module.graphcomp_backend(gm, example_inputs, **kwargs)
 
-    return graphcomp_backend(gm, example_inputs, **kwargs)
 
-
-_compat.graph_logger()  # registers the "graphcomp_graphs" artifact of torch._logging.set_logs
 _log = _logging.getLogger("graphcomp")
 if _env.log_level():
     _log.setLevel(_env.log_level())

@@ -309,6 +309,14 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.nothing("cudagraphs off (Config.cudagraphs='off' or the cudagraphs pass is disabled): no split")
         return gm
     if not has_cuda_tensors(gm):
+        if mode == "require":
+            from graphcomp.errors import CudaGraphsRequired
+
+            raise CudaGraphsRequired(
+                f"graphcomp: Config.cudagraphs='require' but the {ctx.stage} graph of frame {ctx.frame_id} has no "
+                f"CUDA tensor (a CPU model or CPU inputs): nothing in it can be captured. Move the model and its "
+                f"inputs to a CUDA device, or use cudagraphs='auto' (captures what it can) or 'off'."
+            )
         ctx.nothing("no CUDA tensors in the graph: nothing to capture, no split")
         return gm
     assign, rows, reasons = plan_pieces(gm, cfg.split_ops, cfg.min_piece_nodes)

@@ -186,3 +186,31 @@ def test_backward_compile_keeps_graphcomp_hook_in_the_cache_key(monkeypatch):
     assert sorted(b for b, _ in seen) == [False, True], seen
     assert all(u is not None and u.startswith("graphcomp-") for _, u in seen), seen
     assert iconfig.joint_custom_pre_pass is None  # restored after each compile
+
+
+def test_backend_callable_is_the_package_attribute_on_every_call():
+    """`graphcomp.backend` is the backend callable, also after the submodule of the
+    same name was imported (it used to be rebound to the module: 'module' object is
+    not callable on the second call)."""
+    import graphcomp.backend  # noqa: F401 - the import that used to rebind the name
+    from graphcomp.backend import graphcomp_backend
+
+    assert callable(graphcomp.backend) and graphcomp_backend is not graphcomp.backend
+    for k in range(2):
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: (x * (k + 2)).sin(), backend=graphcomp.backend)
+        torch.testing.assert_close(f(torch.ones(3)), (torch.ones(3) * (k + 2)).sin())
+    for name in graphcomp.__all__:
+        assert hasattr(graphcomp, name), name
+
+
+def test_require_on_a_cpu_graph_raises():
+    from graphcomp.errors import CudaGraphsRequired
+
+    torch._dynamo.reset()
+    m = torch.nn.Linear(4, 4)
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "cudagraphs": "require"})
+    with pytest.raises(Exception, match=r"require.*no CUDA tensor") as ei:
+        cm(torch.randn(2, 4))
+    assert isinstance(ei.value, CudaGraphsRequired) or isinstance(getattr(ei.value, "inner_exception", None), CudaGraphsRequired) \
+        or "CudaGraphsRequired" in repr(ei.value)
