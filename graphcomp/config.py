@@ -126,6 +126,15 @@ class Config:
     overwritten. Forward outputs returned to user code (the loss) are always
     copied: they are small and often kept for logging."""
 
+    loss_chunk_tokens: int = 1024
+    """Pass ``chunk_lm_loss``: rows (tokens) per chunk of the chunked language-model
+    loss. Each chunk holds at most two ``[loss_chunk_tokens, vocab]`` buffers at once
+    (its logits, their fp32 copy, log-probabilities or gradient), instead of the
+    whole ``[tokens, vocab]`` logits in fp32 and their gradient; a linear head also
+    keeps an fp32 sum of the weight gradient (``vocab x hidden``) while the loss
+    runs. Smaller chunks use less memory and launch more, smaller kernels (each
+    chunk is one matmul of ``loss_chunk_tokens`` rows per product). Must be >= 1."""
+
     debug: bool = False
     """Extra checks and logging: lint every graph after every pass (a pass that
     breaks the graph fails at once, naming the pass) and log the op-count diff of
@@ -171,7 +180,7 @@ class Config:
             raise ValueError(f"Config.memory_budget: a float is a fraction of device memory and must be in (0, 1], got {mb!r}")
         if isinstance(mb, int) and mb <= 0:
             raise ValueError(f"Config.memory_budget: int bytes must be > 0, got {mb!r}")
-        for name in ("min_piece_nodes", "max_captures"):
+        for name in ("min_piece_nodes", "max_captures", "loss_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Config.{name}: must be >= 1, got {getattr(self, name)}")
         for op in self.split_ops:
