@@ -264,6 +264,9 @@ def _fake_values(m: Match, chunk: int) -> dict[str, Any]:
     if m.fused:
         h, w = m.source.args[0], m.source.args[1]
         hv, wv = _val(h), _val(w)
+        # grad mode as traced: under no_grad the loss does not require grad (inputs may)
+        live = bool(getattr(_val(m.ce), "requires_grad", True))
+        grads = (live and bool(hv.requires_grad), live and bool(wv.requires_grad))
         mode = _fake_mode([hv, wv, tv])
         if mode is None:
             raise Skip("no_fake_values")
@@ -271,10 +274,10 @@ def _fake_values(m: Match, chunk: int) -> dict[str, Any]:
             with mode:
                 h2 = hv if hv.dim() == 2 else hv.reshape(-1, hv.shape[-1])
                 out = OPS["linear_cross_entropy"](h2.detach(), wv.detach(), tv, m.ignore_index, m.reduction, chunk,
-                                                  m.loss_dtype, bool(hv.requires_grad), bool(wv.requires_grad))
+                                                  m.loss_dtype, *grads)
         except (ValueError, RuntimeError) as e:
             raise Skip("op_refused", str(e)) from None
-        return {"input": h2, "out": out, "loss": out[0], "grads": (bool(hv.requires_grad), bool(wv.requires_grad))}
+        return {"input": h2, "out": out, "loss": out[0], "grads": grads}
     sv = _val(m.source)
     mode = _fake_mode([sv, tv])
     if mode is None:
