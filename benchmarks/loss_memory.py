@@ -25,7 +25,8 @@ backward would be empty) becomes ``log_softmax`` + ``nll_loss_forward``; and SDP
 whose meta dispatch picks the math kernel (a ``[B, H, S, S]`` probability tensor
 saved per layer), runs the flash-attention kernel, which saves what CUDA's flash
 attention saves (output and log-sum-exp). The chunked loss's scratch memory is
-modelled as on CUDA (its weight gradient summed by fp32-output matmuls).
+modelled as on CUDA (its weight gradient summed by fp32-output matmuls, each
+chunk's arithmetic compiled unless ``--kernels eager``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,19 @@ def _meta_substitutes(pass_on: bool) -> Iterator[None]:
         F.cross_entropy, F.scaled_dot_product_attention = saved
 
 
-def _model(preset: str, layers: int | None) -> nn.Module:
+class _Checkpointed(nn.Module):
+    """``workloads.CheckpointedBlock`` without saving the RNG state (meta tensors
+    have none; the blocks draw no random numbers)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False, preserve_rng_state=False)
+
+
+def _model(preset: str, layers: int | None, checkpoint: bool = False) -> nn.Module:
     from graphcomp.models import Llama, get_config
 
     cfg = get_config(preset)
@@ -93,19 +106,24 @@ def _model(preset: str, layers: int | None) -> nn.Module:
     for mod in list(m.modules()):
         if isinstance(mod, (nn.Linear, nn.Embedding)) or type(mod).__name__ == "RMSNorm":
             parametrize.register_parametrization(mod, "weight", _CastOnUse(torch.bfloat16), unsafe=True)
+    if checkpoint:  # the workload's per-block activation checkpointing
+        for i, blk in enumerate(list(m.layers)):
+            m.layers[i] = _Checkpointed(blk)
     return m
 
 
-def trace(preset: str, batch: int, seq: int, chunk: int | None, layers: int | None) -> dict[str, Any]:
+def trace(preset: str, batch: int, seq: int, chunk: int | None, layers: int | None,
+          kernels: str = "inductor", checkpoint: bool = False) -> dict[str, Any]:
     """Stage memory estimates of one step; ``chunk=None`` runs with the pass off."""
     import graphcomp
-    from graphcomp import _compat
+    from graphcomp import _compat, loss_ops
     from graphcomp.state import STATE
 
     torch._dynamo.reset()
     graphcomp.reset()
-    m = _model(preset, layers)
-    opts: dict[str, Any] = {"codegen": "eager", "passes": {"chunk_lm_loss": chunk is not None}}
+    m = _model(preset, layers, checkpoint)
+    opts: dict[str, Any] = {"codegen": "eager", "passes": {"chunk_lm_loss": chunk is not None},
+                            "loss_chunk_kernels": kernels}
     if chunk is not None:
         opts["loss_chunk_tokens"] = chunk
     tok = torch.zeros((batch, seq), dtype=torch.long, device="meta")
@@ -116,13 +134,15 @@ def trace(preset: str, batch: int, seq: int, chunk: int | None, layers: int | No
         return orig(decompositions=_compat.inductor_decompositions(), **kw)
 
     _compat.aot_autograd = with_decomps
-    cuda_mm, _compat.has_fp32_out_addmm = _compat.has_fp32_out_addmm, lambda t: True  # model CUDA's kernels
+    # model CUDA's kernels: fp32-output matmuls, the compiled chunk arithmetic
+    cuda_mm, _compat.has_fp32_out_addmm = _compat.has_fp32_out_addmm, lambda t: True
+    cuda_chunk, loss_ops._use_compiled = loss_ops._use_compiled, lambda compiled, t: compiled
     try:
         with _meta_substitutes(chunk is not None):
             cm = torch.compile(m, backend="graphcomp", dynamic=False, options=opts)
             cm(tok, tgt).backward()
     finally:
-        _compat.aot_autograd, _compat.has_fp32_out_addmm = orig, cuda_mm
+        _compat.aot_autograd, _compat.has_fp32_out_addmm, loss_ops._use_compiled = orig, cuda_mm, cuda_chunk
     out: dict[str, Any] = {"chunk": chunk}
     for f in STATE.frames:
         for stage, d in f["stages"].items():
@@ -145,19 +165,24 @@ def main(argv: list[str]) -> None:
     p.add_argument("--seq", type=int)
     p.add_argument("--chunk", default="1024", help="comma list of Config.loss_chunk_tokens values to try")
     p.add_argument("--layers", type=int, help="trace this many transformer blocks (default: the preset's)")
+    p.add_argument("--kernels", default="inductor", choices=("inductor", "eager"), help="Config.loss_chunk_kernels")
+    p.add_argument("--activation-checkpointing", choices=("on", "off"), help="override the workload's setting")
     args = p.parse_args(argv)
     from . import workloads
 
-    w = workloads.get_workload(args.workload, batch=args.batch, seq=args.seq)
+    ac = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
+    w = workloads.get_workload(args.workload, batch=args.batch, seq=args.seq, activation_checkpointing=ac)
     gib = 2**30
-    base = trace(w.preset, w.batch, w.seq, None, args.layers)
+    ckpt = w.activation_checkpointing
+    base = trace(w.preset, w.batch, w.seq, None, args.layers, checkpoint=ckpt)
     print(f"{w.name}: batch {w.batch} x seq {w.seq}, vocab {workloads.model_config(w).vocab_size}, "
-          f"layers {args.layers or workloads.model_config(w).n_layers}")
+          f"layers {args.layers or workloads.model_config(w).n_layers}, chunk kernels {args.kernels}, "
+          f"activation checkpointing {'on' if ckpt else 'off'}")
     print(f"  pass off : fwd {base['fwd']['inductor'] / gib:6.2f} GiB  bwd {base['bwd']['inductor'] / gib:6.2f} GiB "
           f"(Inductor model; FX-only {base['fwd']['fx'] / gib:.2f} / {base['bwd']['fx'] / gib:.2f})")
     rows = [base]
     for c in [int(x) for x in args.chunk.split(",")]:
-        r = trace(w.preset, w.batch, w.seq, c, args.layers)
+        r = trace(w.preset, w.batch, w.seq, c, args.layers, args.kernels, ckpt)
         rows.append(r)
         print(f"  chunk {c:5d}: fwd {r['fwd']['inductor'] / gib:6.2f} GiB  bwd {r['bwd']['inductor'] / gib:6.2f} GiB "
               f"(FX-only {r['fwd']['fx'] / gib:.2f} / {r['bwd']['fx'] / gib:.2f}); step peak saved: "

@@ -23,6 +23,7 @@ CudaGraphsMode = Literal["off", "auto", "require"]
 StaticCheck = Literal["first", "always"]
 AddressChange = Literal["error", "recapture"]
 OutputCopy = Literal["auto", "always"]
+LossKernels = Literal["inductor", "eager"]
 
 
 @dataclass(kw_only=True)
@@ -130,10 +131,17 @@ class Config:
     """Pass ``chunk_lm_loss``: rows (tokens) per chunk of the chunked language-model
     loss. Each chunk holds at most two ``[loss_chunk_tokens, vocab]`` buffers at once
     (its logits, their fp32 copy, log-probabilities or gradient), instead of the
-    whole ``[tokens, vocab]`` logits in fp32 and their gradient; a linear head also
-    keeps an fp32 sum of the weight gradient (``vocab x hidden``) while the loss
-    runs. Smaller chunks use less memory and launch more, smaller kernels (each
+    whole ``[tokens, vocab]`` logits in fp32 and their gradient; a linear head's
+    weight gradient (``vocab x hidden``, fp32) is summed over the chunks and kept
+    for the backward. Smaller chunks use less memory and launch more, smaller kernels (each
     chunk is one matmul of ``loss_chunk_tokens`` rows per product). Must be >= 1."""
+
+    loss_chunk_kernels: LossKernels = "inductor"
+    """Pass ``chunk_lm_loss``: how each chunk's softmax and gradient arithmetic runs
+    on CUDA. ``"inductor"``: one function compiled by Inductor at its first call
+    (a row reduction and one elementwise pass; it holds only the chunk's logits and
+    gradient); ``"eager"``: about six eager kernels per chunk, each reading and
+    writing the chunk in fp32. On other devices it always runs eagerly."""
 
     debug: bool = False
     """Extra checks and logging: lint every graph after every pass (a pass that

@@ -7,15 +7,15 @@ chunk of ``C = Config.loss_chunk_tokens`` rows does its matmul, upcast,
 log-softmax and gradient, and only ``[C, vocab]`` buffers are live at a time.
 
 ``linear_cross_entropy(hidden [N, D], weight [V, D], target [N], ...)``
-    ``-> (loss, grad_hidden [N, D], grad_weight [V, D])``. The loss of
+    ``-> (loss, grad_hidden [N, D], grad_weight [V, D] in fp32)``. The loss of
     ``cross_entropy((hidden @ weight.T).to(loss_dtype), target)``; in the same chunk
     loop it computes the gradients of that loss for an upstream gradient of 1
-    (``grad_hidden`` row by row, ``grad_weight`` summed over chunks in fp32, then
-    cast to the weight's dtype once). Its autograd formula only scales them by the
-    real upstream gradient, so the backward recomputes nothing and needs neither
-    the logits nor the weight (a sharded weight is not gathered again for it).
-    ``grad_hidden`` / ``grad_weight`` are empty when not asked for (inference, a
-    frozen head).
+    (``grad_hidden`` row by row in the model's dtype, ``grad_weight`` summed over
+    chunks in fp32). Its autograd formula only scales them by the real upstream
+    gradient (and rounds ``grad_weight`` to the weight's dtype, once), so the
+    backward recomputes nothing and needs neither the logits nor the weight (a
+    sharded weight is not gathered again for it). ``grad_hidden`` /
+    ``grad_weight`` are empty when not asked for (inference, a frozen head).
 
 ``cross_entropy(logits [N, V], target [N], ...) -> loss``
     For logits that must exist anyway (a model that returns them, as Hugging Face
@@ -27,10 +27,12 @@ Numerics: the per-chunk math is the unfused graph's (``log_softmax`` in
 ``loss_dtype``, the picked log-probabilities summed and divided by the number of
 non-ignored targets for ``"mean"``, gradient ``(softmax - onehot) * scale``), so
 fp32 results equal the reference up to summation order. In low precision the
-only difference from the reference is where one rounding happens:
-``linear_cross_entropy`` rounds ``grad_weight`` to the weight's dtype (as the
-reference's matmul does) and then multiplies by the upstream gradient, which is
-exact when that is a power of two (1, or ``1 / micro_batches`` for 2, 4, 8...).
+per-chunk logits and gradient are rounded as the reference rounds them, and
+``grad_weight`` is rounded once, after the fp32 sum over chunks (as the
+reference's single matmul does). One rounding moves: ``linear_cross_entropy``
+computes the gradient for an upstream gradient of 1 and scales the bf16
+``grad_hidden`` afterwards, which is exact when the upstream gradient is a power
+of two (1, or ``1 / micro_batches`` for 2, 4, 8...).
 
 All ops return fresh tensors (no aliasing) and have fake (meta) implementations,
 so Dynamo, AOTAutograd and Inductor trace them; Inductor runs them as extern
@@ -39,6 +41,7 @@ kernels. Nothing here syncs the host: chunk bounds depend only on shapes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -99,15 +102,23 @@ def _targets(target: Tensor, ignore_index: int, reduction: str, dtype: torch.dty
 
 
 def _chunk(make_x: Callable[[], Tensor], safe: Tensor, valid: Tensor, scale: Tensor | None,
-           loss_dtype: torch.dtype, grad_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+           loss_dtype: torch.dtype, compiled: bool, grad_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """One chunk of rows: (sum of the non-ignored rows' losses at >= fp32, gradient).
 
     ``make_x()`` gives the chunk's logits [c, V] in the model's dtype (a callable, so
     the buffer is dropped as soon as its upcast copy exists). With ``scale`` given,
     the gradient ``(softmax(x) - onehot) * scale[:, None]`` is written in the
-    logits' dtype (into ``grad_out`` if given). Live at once: at most two
-    ``[c, V]`` buffers (see :func:`workspace_bytes`)."""
+    logits' dtype (into ``grad_out`` if given). ``compiled`` (CUDA): the arithmetic
+    runs as one Inductor-compiled function (:func:`_chunk_math`), which holds only
+    the logits and the gradient; otherwise as eager kernels, at most two ``[c, V]``
+    buffers at once (see :func:`workspace_bytes`)."""
     x = make_x()
+    if _use_compiled(compiled, x):
+        nll, g = _compiled_chunk_math()(x, safe, valid, scale, loss_dtype)
+        if g is not None and grad_out is not None:
+            grad_out.copy_(g)
+            g = grad_out
+        return nll, g
     dtype, device, rows = x.dtype, x.device, x.shape[0]
     xl = x if x.dtype == loss_dtype else x.to(loss_dtype)
     del x
@@ -130,6 +141,35 @@ def _chunk(make_x: Callable[[], Tensor], safe: Tensor, valid: Tensor, scale: Ten
     return nll, out
 
 
+def _chunk_math(x: Tensor, safe: Tensor, valid: Tensor, scale: Tensor | None,
+                loss_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """The eager path's arithmetic as one traceable function (Inductor fuses it into
+    a row reduction and an elementwise pass; the one-hot is a select, not a scatter)."""
+    acc = _acc_dtype(loss_dtype)
+    logp = torch.log_softmax(x.to(loss_dtype), dim=1)
+    picked = logp.gather(1, safe[:, None]).squeeze(1)
+    nll = -torch.where(valid, picked.to(acc), torch.zeros((), dtype=acc, device=x.device)).sum()
+    if scale is None:
+        return nll, None
+    p = logp.to(acc).exp()
+    cols = torch.arange(x.shape[1], device=x.device)
+    p = torch.where(cols[None, :] == safe[:, None], p - 1, p)
+    return nll, (p * scale.to(acc)[:, None]).to(x.dtype)
+
+
+@functools.cache
+def _compiled_chunk_math() -> Callable[..., tuple[Tensor, Tensor | None]]:
+    """:func:`_chunk_math` under ``torch.compile`` (Inductor), built on first use.
+    It compiles at the first call of each shape (in a training loop: the full chunk
+    and the last one, during the first step, before any CUDA-graph capture)."""
+    return torch.compile(_chunk_math, backend="inductor", fullgraph=True)
+
+
+def _use_compiled(compiled: bool, t: Tensor) -> bool:
+    """The compiled chunk math runs on CUDA only (CPU: eager kernels)."""
+    return compiled and t.device.type == "cuda"
+
+
 def _bounds(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(n, s + chunk)) for s in range(0, n, chunk)]
 
@@ -137,8 +177,8 @@ def _bounds(n: int, chunk: int) -> list[tuple[int, int]]:
 # ------------------------------------------------------ linear + cross-entropy
 @torch.library.custom_op("graphcomp::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str,
-                         chunk_tokens: int, loss_dtype: torch.dtype, grad_hidden: bool,
-                         grad_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
+                         chunk_tokens: int, loss_dtype: torch.dtype, grad_hidden: bool, grad_weight: bool,
+                         compiled: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``cross_entropy((hidden @ weight.T).to(loss_dtype), target)`` in chunks of
     ``chunk_tokens`` rows, plus the gradients for an upstream gradient of 1."""
     _check(hidden, weight, None, target, reduction, chunk_tokens, loss_dtype)
@@ -148,12 +188,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_
     total = torch.zeros((), dtype=acc, device=hidden.device)
     gh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
     gw_acc = None
-    if grad_weight:  # summed over chunks at >= fp32, rounded to the weight's dtype once
+    if grad_weight:  # summed over chunks at >= fp32; rounded to the weight's dtype in the backward
         gw_acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device)
     wt = weight.t()
     for s, e in _bounds(hidden.shape[0], chunk_tokens):
         hc = hidden[s:e]
-        nll, g = _chunk(lambda hc=hc: torch.mm(hc, wt), safe[s:e], valid[s:e], scale[s:e] if want else None, loss_dtype)
+        nll, g = _chunk(lambda hc=hc: torch.mm(hc, wt), safe[s:e], valid[s:e], scale[s:e] if want else None, loss_dtype,
+                        compiled)
         total += nll
         if g is None:
             continue
@@ -163,23 +204,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_
             _compat.addmm_accumulate_(gw_acc, g.t(), hc)
         del g
     loss = (total / denom if denom is not None else total).to(loss_dtype)
-    if gw_acc is None:
-        gw = weight.new_empty(0)
-    elif gw_acc.dtype == weight.dtype:
-        gw = gw_acc
-    else:
-        gw = gw_acc.to(weight.dtype)
-        del gw_acc
-    return loss, gh, gw
+    return loss, gh, gw_acc if gw_acc is not None else weight.new_empty(0, dtype=_acc_dtype(weight.dtype))
 
 
 @linear_cross_entropy.register_fake
 def _linear_cross_entropy_fake(hidden, weight, target, ignore_index, reduction, chunk_tokens, loss_dtype,
-                               grad_hidden, grad_weight):
+                               grad_hidden, grad_weight, compiled):
     _check(hidden, weight, None, target, reduction, chunk_tokens, loss_dtype)
+    acc = _acc_dtype(weight.dtype)
     return (hidden.new_empty((), dtype=loss_dtype),
             torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
-            torch.empty_like(weight) if grad_weight else weight.new_empty(0))
+            torch.empty_like(weight, dtype=acc) if grad_weight else weight.new_empty(0, dtype=acc))
 
 
 def _lce_setup(ctx, inputs, output):
@@ -187,14 +222,16 @@ def _lce_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(gh, gw)
     ctx.save_for_backward(gh, gw)
     ctx.flags = (inputs[7], inputs[8])
+    ctx.weight_dtype = inputs[1].dtype
 
 
 def _lce_backward(ctx, grad_loss, _gh, _gw):
     gh, gw = ctx.saved_tensors
     want_h, want_w = ctx.flags
-    # a 0-dim fp32 factor keeps the bf16/fp16 dtype of gh, gw (one rounding)
-    return (gh * grad_loss if want_h else None, gw * grad_loss if want_w else None,
-            None, None, None, None, None, None, None)
+    # gh: a 0-dim fp32 factor keeps its dtype; gw: the fp32 sum is scaled, then
+    # rounded to the weight's dtype once (what the reference's matmul output is)
+    return (gh * grad_loss if want_h else None, (gw * grad_loss).to(ctx.weight_dtype) if want_w else None,
+            None, None, None, None, None, None, None, None)
 
 
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -203,26 +240,26 @@ linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
 # --------------------------------------------------- cross-entropy on logits
 @torch.library.custom_op("graphcomp::cross_entropy", mutates_args=())
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, chunk_tokens: int,
-                  loss_dtype: torch.dtype) -> Tensor:
+                  loss_dtype: torch.dtype, compiled: bool) -> Tensor:
     """``cross_entropy(logits.to(loss_dtype), target)`` in chunks of rows."""
     _check(None, None, logits, target, reduction, chunk_tokens, loss_dtype)
     acc = _acc_dtype(loss_dtype)
     valid, safe, _, denom = _targets(target, ignore_index, reduction, acc)
     total = torch.zeros((), dtype=acc, device=logits.device)
     for s, e in _bounds(logits.shape[0], chunk_tokens):
-        total += _chunk(lambda s=s, e=e: logits[s:e], safe[s:e], valid[s:e], None, loss_dtype)[0]
+        total += _chunk(lambda s=s, e=e: logits[s:e], safe[s:e], valid[s:e], None, loss_dtype, compiled)[0]
     return (total / denom if denom is not None else total).to(loss_dtype)
 
 
 @cross_entropy.register_fake
-def _cross_entropy_fake(logits, target, ignore_index, reduction, chunk_tokens, loss_dtype):
+def _cross_entropy_fake(logits, target, ignore_index, reduction, chunk_tokens, loss_dtype, compiled):
     _check(None, None, logits, target, reduction, chunk_tokens, loss_dtype)
     return logits.new_empty((), dtype=loss_dtype)
 
 
 @torch.library.custom_op("graphcomp::cross_entropy_backward", mutates_args=())
 def cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
-                           chunk_tokens: int, loss_dtype: torch.dtype) -> Tensor:
+                           chunk_tokens: int, loss_dtype: torch.dtype, compiled: bool) -> Tensor:
     """Gradient of :func:`cross_entropy` w.r.t. ``logits`` (in their dtype), one
     chunk of rows at a time: the softmax is recomputed from the logits."""
     _check(None, None, logits, target, reduction, chunk_tokens, loss_dtype)
@@ -231,26 +268,27 @@ def cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, ig
     scale = scale * grad_loss.to(acc)
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
     for s, e in _bounds(logits.shape[0], chunk_tokens):
-        _chunk(lambda s=s, e=e: logits[s:e], safe[s:e], valid[s:e], scale[s:e], loss_dtype, grad_out=out[s:e])
+        _chunk(lambda s=s, e=e: logits[s:e], safe[s:e], valid[s:e], scale[s:e], loss_dtype, compiled, grad_out=out[s:e])
     return out
 
 
 @cross_entropy_backward.register_fake
-def _cross_entropy_backward_fake(grad_loss, logits, target, ignore_index, reduction, chunk_tokens, loss_dtype):
+def _cross_entropy_backward_fake(grad_loss, logits, target, ignore_index, reduction, chunk_tokens, loss_dtype,
+                                 compiled):
     _check(None, None, logits, target, reduction, chunk_tokens, loss_dtype)
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _ce_setup(ctx, inputs, output):
-    logits, target, ignore_index, reduction, chunk_tokens, loss_dtype = inputs
+    logits, target, *args = inputs
     ctx.save_for_backward(logits, target)
-    ctx.args = (ignore_index, reduction, chunk_tokens, loss_dtype)
+    ctx.args = tuple(args)  # ignore_index, reduction, chunk_tokens, loss_dtype, compiled
 
 
 def _ce_backward(ctx, grad_loss):
     logits, target = ctx.saved_tensors
     g = torch.ops.graphcomp.cross_entropy_backward(grad_loss, logits, target, *ctx.args)
-    return g, None, None, None, None, None
+    return g, None, None, None, None, None, None
 
 
 cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup)
@@ -277,45 +315,47 @@ def workspace_bytes(target: object, args: tuple, vals: list[object]) -> int:
     start), from its arguments (``args``) and their fake values (``vals``, the
     tensors in argument order); 0 for any other op or for symbolic sizes.
 
-    Per chunk of ``c`` rows and ``V`` classes (:func:`_chunk`): at most two ``[c, V]``
-    buffers at once, the logits beside their upcast copy, that copy beside the
-    log-probabilities, or the probabilities beside the gradient in the model's
-    dtype. ``linear_cross_entropy`` with a weight narrower than fp32 also holds
-    the fp32 weight-gradient sum through the loop and beside its cast copy (the
-    output, allocated at the end) after it; where no fp32-output matmul exists
-    (CPU), fp32 copies of each chunk's matmul operands."""
+    Per chunk of ``c`` rows and ``V`` classes (:func:`_chunk`), eager kernels: at
+    most two ``[c, V]`` buffers at once, the logits beside their upcast copy, that
+    copy beside the log-probabilities, or the probabilities beside the gradient in
+    the model's dtype; compiled (CUDA): the logits and the gradient, both in the
+    model's dtype (the fp32 weight-gradient sum is an output). Where no
+    fp32-output matmul exists (CPU), ``linear_cross_entropy`` with a weight
+    narrower than fp32 also makes fp32 copies of each chunk's matmul operands."""
     ops = (OPS["linear_cross_entropy"], OPS["cross_entropy"], OPS["cross_entropy_backward"])
     if target not in ops:
         return 0
     tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    lce = target is OPS["linear_cross_entropy"]
     try:
-        if target is OPS["linear_cross_entropy"]:
+        if lce:
             weight = tensors[1]
             n, v, model = int(tensors[0].shape[0]), int(weight.shape[0]), tensors[0].element_size()
             chunk, loss_dtype, grads, want_w = int(args[5]), args[6], bool(args[7] or args[8]), bool(args[8])
+            compiled = _use_compiled(bool(args[9]), tensors[0])
         else:
             logits = tensors[0] if target is OPS["cross_entropy"] else tensors[1]
             n, v, model = int(logits.shape[0]), int(logits.shape[1]), logits.element_size()
             chunk, loss_dtype = int(args[4]), args[5]
             grads, want_w = target is OPS["cross_entropy_backward"], False
+            compiled = _use_compiled(bool(args[6]), logits)
     except (TypeError, ValueError, IndexError):  # symbolic sizes or unexpected arguments: unknown
         return 0
     c = min(n, chunk)
     loss, acc = loss_dtype.itemsize, _acc_dtype(loss_dtype).itemsize
-    upcast = loss != model
-    per_row = max(model + loss if upcast else 0, 2 * loss if upcast else model + loss)
-    if grads:
-        # the gradient goes into the output for cross_entropy_backward; it is a new
-        # chunk buffer (kept through the chunk's matmuls) for linear_cross_entropy
-        own_grad = target is OPS["linear_cross_entropy"] and model != acc
-        per_row = max(per_row, acc + (model if own_grad else 0))
+    if compiled:
+        # the matmul's logits (cross_entropy* read views of their input) and the gradient
+        per_row = (model if lce else 0) + (model if grads else 0)
+    else:
+        upcast = loss != model
+        per_row = max(model + loss if upcast else 0, 2 * loss if upcast else model + loss)
+        if grads:
+            # the gradient goes into the output for cross_entropy_backward; it is a new
+            # chunk buffer (kept through the chunk's matmuls) for linear_cross_entropy
+            own_grad = lce and model != acc
+            per_row = max(per_row, acc + (model if own_grad else 0))
     loop = c * v * per_row
-    if not want_w:
-        return loop
-    wdt, d = tensors[1].dtype, int(tensors[1].shape[1])
-    if _acc_dtype(wdt) == wdt:
-        return loop  # the sum is the output itself
-    gw_sum, gw_out = v * d * _acc_dtype(wdt).itemsize, v * d * tensors[1].element_size()
-    if not _compat.has_fp32_out_addmm(tensors[1]):  # upcast copies of the chunk's operands
-        loop += (c * v + c * d) * _acc_dtype(wdt).itemsize
-    return gw_sum + max(loop - gw_out, 0)
+    wdt = tensors[1].dtype if want_w else None
+    if wdt is not None and _acc_dtype(wdt) != wdt and not _compat.has_fp32_out_addmm(tensors[1]):
+        loop += (c * v + c * int(tensors[1].shape[1])) * _acc_dtype(wdt).itemsize
+    return loop

@@ -111,16 +111,17 @@ def chunk_lm_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     in_autocast = _autocast_regions(gm)
     chunk = ctx.config.loss_chunk_tokens
+    compiled = ctx.config.loss_chunk_kernels == "inductor"
     done = 0
     for ce in ces:
         try:
             m = _match(ce, in_autocast)
-            vals = _fake_values(m, chunk)
+            vals = _fake_values(m, chunk, compiled)
         except Skip as s:
             ctx.count(f"skipped:{s.reason}")
             ctx.note(f"{ce.name}: not chunked ({s.reason}{': ' + s.detail if s.detail else ''})")
             continue
-        _rewrite(gm, m, chunk, vals)
+        _rewrite(gm, m, chunk, compiled, vals)
         done += 1
         kind = "linear_cross_entropy" if m.fused else "cross_entropy"
         ctx.count(kind)
@@ -257,7 +258,7 @@ def _fake_mode(vals: list[Any]) -> Any:
     return None
 
 
-def _fake_values(m: Match, chunk: int) -> dict[str, Any]:
+def _fake_values(m: Match, chunk: int, compiled: bool) -> dict[str, Any]:
     """Example values of the nodes the rewrite adds (Inductor's pre-grad passes read
     them); a shape the op refuses shows up here, before the graph is touched."""
     tv = _val(m.target)
@@ -274,7 +275,7 @@ def _fake_values(m: Match, chunk: int) -> dict[str, Any]:
             with mode:
                 h2 = hv if hv.dim() == 2 else hv.reshape(-1, hv.shape[-1])
                 out = OPS["linear_cross_entropy"](h2.detach(), wv.detach(), tv, m.ignore_index, m.reduction, chunk,
-                                                  m.loss_dtype, *grads)
+                                                  m.loss_dtype, *grads, compiled)
         except (ValueError, RuntimeError) as e:
             raise Skip("op_refused", str(e)) from None
         return {"input": h2, "out": out, "loss": out[0], "grads": grads}
@@ -285,13 +286,13 @@ def _fake_values(m: Match, chunk: int) -> dict[str, Any]:
     try:
         with mode:
             x2 = sv if sv.dim() == 2 else sv.reshape(-1, m.vocab)
-            loss = OPS["cross_entropy"](x2.detach(), tv, m.ignore_index, m.reduction, chunk, m.loss_dtype)
+            loss = OPS["cross_entropy"](x2.detach(), tv, m.ignore_index, m.reduction, chunk, m.loss_dtype, compiled)
     except (ValueError, RuntimeError) as e:
         raise Skip("op_refused", str(e)) from None
     return {"input": x2, "loss": loss}
 
 
-def _rewrite(gm: fx.GraphModule, m: Match, chunk: int, vals: dict[str, Any]) -> None:
+def _rewrite(gm: fx.GraphModule, m: Match, chunk: int, compiled: bool, vals: dict[str, Any]) -> None:
     g = gm.graph
     ce = m.ce
     meta = {k: ce.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack") if k in ce.meta}
@@ -307,14 +308,16 @@ def _rewrite(gm: fx.GraphModule, m: Match, chunk: int, vals: dict[str, Any]) -> 
             h2 = h if _val(h).dim() == 2 else new(g.call_method("reshape", (h, -1, _val(h).shape[-1])), vals["input"])
             gh, gw = vals["grads"]
             op = new(g.call_function(OPS["linear_cross_entropy"],
-                                     (h2, w, m.target, m.ignore_index, m.reduction, chunk, m.loss_dtype, gh, gw)),
+                                     (h2, w, m.target, m.ignore_index, m.reduction, chunk, m.loss_dtype, gh, gw,
+                                      compiled)),
                      tuple(vals["out"]))
             loss = new(g.call_function(operator.getitem, (op, 0)), vals["loss"])
         else:
             x = m.source
             x2 = x if _val(x).dim() == 2 else new(g.call_method("reshape", (x, -1, m.vocab)), vals["input"])
             loss = new(g.call_function(OPS["cross_entropy"],
-                                       (x2, m.target, m.ignore_index, m.reduction, chunk, m.loss_dtype)), vals["loss"])
+                                       (x2, m.target, m.ignore_index, m.reduction, chunk, m.loss_dtype, compiled)),
+                     vals["loss"])
     ce.replace_all_uses_with(loss)
     g.erase_node(ce)
     for n in m.chain:
