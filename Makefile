@@ -13,7 +13,7 @@ install:
 	@$(PY) -c "import torch, sys; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 11) else 1)" 2>/dev/null \
 	  || $(PY) -m pip install -q -c constraints/cpu.txt torch==2.13.0
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	@$(PY) -m pip install -q -c constraints/cpu.txt pytest pytest-timeout hypothesis
+	@$(PY) -m pip install -q -c constraints/cpu.txt pytest pytest-timeout hypothesis transformers
 	@$(PY) -c "import torch, graphcomp; print(f'[install] torch {torch.__version__}, graphcomp {graphcomp.__version__}')"
 
 demo: install

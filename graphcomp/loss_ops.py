@@ -330,16 +330,19 @@ def workspace_bytes(target: object, args: tuple, vals: list[object]) -> int:
     try:
         if lce:
             weight = tensors[1]
-            n, v, model = int(tensors[0].shape[0]), int(weight.shape[0]), tensors[0].element_size()
-            chunk, loss_dtype, grads, want_w = int(args[5]), args[6], bool(args[7] or args[8]), bool(args[8])
+            n, v, model = tensors[0].shape[0], weight.shape[0], tensors[0].element_size()
+            chunk, loss_dtype, grads, want_w = args[5], args[6], bool(args[7] or args[8]), bool(args[8])
             compiled = _use_compiled(bool(args[9]), tensors[0])
         else:
             logits = tensors[0] if target is OPS["cross_entropy"] else tensors[1]
-            n, v, model = int(logits.shape[0]), int(logits.shape[1]), logits.element_size()
-            chunk, loss_dtype = int(args[4]), args[5]
+            n, v, model = logits.shape[0], logits.shape[1], logits.element_size()
+            chunk, loss_dtype = args[4], args[5]
             grads, want_w = target is OPS["cross_entropy_backward"], False
             compiled = _use_compiled(bool(args[6]), logits)
-    except (TypeError, ValueError, IndexError):  # symbolic sizes or unexpected arguments: unknown
+    except IndexError:  # unexpected arguments: unknown
+        return 0
+    dims = [n, v, chunk] + ([tensors[1].shape[1]] if want_w else [])
+    if not all(type(x) is int for x in dims):  # symbolic sizes (never turned into ints: that would guard)
         return 0
     c = min(n, chunk)
     loss, acc = loss_dtype.itemsize, _acc_dtype(loss_dtype).itemsize
@@ -357,5 +360,5 @@ def workspace_bytes(target: object, args: tuple, vals: list[object]) -> int:
     loop = c * v * per_row
     wdt = tensors[1].dtype if want_w else None
     if wdt is not None and _acc_dtype(wdt) != wdt and not _compat.has_fp32_out_addmm(tensors[1]):
-        loop += (c * v + c * int(tensors[1].shape[1])) * _acc_dtype(wdt).itemsize
+        loop += (c * v + c * tensors[1].shape[1]) * _acc_dtype(wdt).itemsize
     return loop
