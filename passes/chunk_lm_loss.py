@@ -38,6 +38,19 @@ with a registered autograd formula is traced by AOTAutograd like any op (one nod
 in the forward, our formula in the backward), opaque to decompositions, and run
 by Inductor as an extern kernel.
 
+Why the gradients in the forward (form 1): the alternative, saving each row's
+log-sum-exp and recomputing the chunk's logits in the backward, costs a second
+logits matmul (a third of the head's FLOPs: 2 x tokens x hidden x vocab = 4.3 TFLOP per
+W2 micro-batch)
+and a backward re-gather of the head weight. Computing them in the forward costs
+neither; what it holds instead is the weight gradient's fp32 sum (``vocab x
+hidden``: 1 GiB at W2, 2 GiB at W3) from the loss to the start of the backward,
+where the unrewritten graph holds the fp32 log-probabilities (3.9 GiB at W2), and it
+computes the gradients even if no backward follows (evaluation with grad enabled;
+under ``torch.no_grad()`` it does not). Chunks are over tokens, not the
+vocabulary: a vocabulary chunk needs every token's log-sum-exp first, i.e. the
+logits twice.
+
 Numerics: the chunk math is the unrewritten graph's (see ``loss_ops``): fp32 equal
 up to summation order; in bf16 the weight gradient is summed over chunks in fp32
 and rounded once.
@@ -69,7 +82,7 @@ from graphcomp.loss_ops import OPS, REDUCTIONS
 from graphcomp.pipeline import PassContext, register_pass
 from graphcomp.state import STATE
 
-_LINEAR = (torch._C._nn.linear, F.linear)
+_LINEAR = (F.linear,)  # nn.Linear.forward calls it too
 _CE_SIG = inspect.signature(F.cross_entropy)
 _VIEW_METHODS = {"view", "reshape", "flatten", "contiguous"}
 _VIEW_FUNCS = (torch.reshape, torch.flatten)
