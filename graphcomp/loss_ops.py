@@ -88,7 +88,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ------------------------------------------------------------- chunk math
-def _targets(target: Tensor, ignore_index: int, reduction: str, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def _targets(target: Tensor, ignore_index: int, reduction: str,
+             dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(valid rows, target with ignored rows pointing at class 0, per-row gradient
     scale for an upstream gradient of 1, mean divisor or None)."""
     valid = target != ignore_index

@@ -89,7 +89,8 @@ def test_linear_head_becomes_one_chunked_op():
     assert rec.reason is None
     assert rec.counts == {"linear_cross_entropy": 1, "chunks": math.ceil(N / 4), "fp32_logits_bytes": N * V * 4}
     (op,) = [n for n in gm.graph.nodes if n.target is OPS["linear_cross_entropy"]]
-    assert op.args[3:] == (-100, "mean", 4, torch.float32, True, True, True)  # compiled: the default loss_chunk_kernels="inductor"
+    # (ignore_index, reduction, chunk, loss dtype, grad hidden, grad weight, compiled: loss_chunk_kernels="inductor")
+    assert op.args[3:] == (-100, "mean", 4, torch.float32, True, True, True)
     assert [tuple(v.shape) for v in op.meta["example_value"]] == [(), (N, D), (V, D)]
     _check_semantics(llama_loss, gm, (h, w, t))
 
@@ -184,7 +185,8 @@ def test_shapes_it_does_not_chunk_fall_back():
     def no_loss(h, w, t):
         return F.linear(h, w).sum()
 
-    for fn, key in [(probs, "skipped:target_not_class_indices"), (class_dim_1, "skipped:input_not_2d"), (no_loss, None)]:
+    cases = [(probs, "skipped:target_not_class_indices"), (class_dim_1, "skipped:input_not_2d"), (no_loss, None)]
+    for fn, key in cases:
         gm = dynamo_graph(fn, h, w, t)
         code = gm.code
         gm, rec = _run(gm)
@@ -234,7 +236,8 @@ def test_linear_cross_entropy_fp32_matches_torch(reduction, chunk):
     hr, wr = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = _reference(hr, wr, t, reduction)
     (ref * 0.3).backward()
-    loss, _, _ = torch.ops.graphcomp.linear_cross_entropy(h, w, t, -100, reduction, chunk, torch.float32, True, True, False)
+    loss, _, _ = torch.ops.graphcomp.linear_cross_entropy(h, w, t, -100, reduction, chunk, torch.float32, True, True,
+                                                          False)
     (loss * 0.3).backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
     torch.testing.assert_close(h.grad, hr.grad, rtol=1e-5, atol=1e-7)
@@ -291,7 +294,8 @@ def test_every_target_ignored_gives_nan_loss_and_zero_gradients_like_torch():
 def test_gradients_not_asked_for_are_empty():
     h, w, t = _inputs()
     h, t = h.detach().reshape(N, D), t.reshape(N)
-    loss, gh, gw = torch.ops.graphcomp.linear_cross_entropy(h, w.detach(), t, -100, "sum", 4, torch.float32, False, False, False)
+    loss, gh, gw = torch.ops.graphcomp.linear_cross_entropy(h, w.detach(), t, -100, "sum", 4, torch.float32, False,
+                                                            False, False)
     assert gh.numel() == 0 and gw.numel() == 0
     torch.testing.assert_close(loss, _reference(h, w.detach(), t, "sum"), rtol=1e-5, atol=0)
 

@@ -130,6 +130,11 @@ def ranks2():
         yield pool
 
 
+def _bwd(colls, kind):
+    """(dtype, bytes) of the backward graphs' collectives of one kind, sorted."""
+    return sorted((d, b) for st, k, d, b, _ in colls if st == "bwd" and k == kind)
+
+
 def _cfg(on, **kw):
     return {"fuse": True, "bucket": True, "passes": {"chunk_lm_loss": on},
             "options": {"loss_chunk_tokens": CHUNK}, "steps": 4, **kw}
@@ -157,12 +162,12 @@ def test_sharded_bf16_head_gradient_still_reduce_scattered_and_not_regathered(ra
         torch.testing.assert_close(torch.tensor(l_on), torch.tensor(l_off), rtol=1e-3, atol=0)
         for k in p_off:
             torch.testing.assert_close(p_on[k], p_off[k], rtol=1e-2, atol=1e-4, msg=lambda s, k=k: f"{k}: {s}")
-        rs = lambda cs: sorted((d, b) for st, kind, d, b, _ in cs if st == "bwd" and kind == "reduce_scatter")  # noqa: E731
-        assert rs(c_on) == rs(c_off) and len(rs(c_on)) == 21  # one per trainable parameter
-        ag = lambda cs: sorted(b for st, kind, d, b, _ in cs if st == "bwd" and kind == "all_gather")  # noqa: E731
+        assert _bwd(c_on, "reduce_scatter") == _bwd(c_off, "reduce_scatter")
+        assert len(_bwd(c_on, "reduce_scatter")) == 21  # one per trainable parameter
+        ag = [b for _, b in _bwd(c_off, "all_gather")], [b for _, b in _bwd(c_on, "all_gather")]
         head_bytes = 132 * 32 * 2  # 131 rows padded to 2 x 66, bf16 on the wire
-        assert len(ag(c_off)) == len(ag(c_on)) + 1
-        missing = list(ag(c_off))
-        for b in ag(c_on):
+        assert len(ag[0]) == len(ag[1]) + 1
+        missing = list(ag[0])
+        for b in ag[1]:
             missing.remove(b)
         assert missing == [head_bytes]
