@@ -115,11 +115,7 @@ def _chunk(make_x: Callable[[], Tensor], safe: Tensor, valid: Tensor, scale: Ten
     buffers at once (see :func:`workspace_bytes`)."""
     x = make_x()
     if _use_compiled(compiled, x):
-        nll, g = _compiled_chunk_math()(x, safe, valid, scale, loss_dtype)
-        if g is not None and grad_out is not None:
-            grad_out.copy_(g)
-            g = grad_out
-        return nll, g
+        return _compiled_chunk_math()(x, safe, valid, scale, loss_dtype, grad_out)
     dtype, device, rows = x.dtype, x.device, x.shape[0]
     xl = x if x.dtype == loss_dtype else x.to(loss_dtype)
     del x
@@ -142,10 +138,11 @@ def _chunk(make_x: Callable[[], Tensor], safe: Tensor, valid: Tensor, scale: Ten
     return nll, out
 
 
-def _chunk_math(x: Tensor, safe: Tensor, valid: Tensor, scale: Tensor | None,
-                loss_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+def _chunk_math(x: Tensor, safe: Tensor, valid: Tensor, scale: Tensor | None, loss_dtype: torch.dtype,
+                out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The eager path's arithmetic as one traceable function (Inductor fuses it into
-    a row reduction and an elementwise pass; the one-hot is a select, not a scatter)."""
+    a row reduction and an elementwise pass; the one-hot is a select, not a scatter).
+    With ``out``, the gradient is written there (Inductor stores into it directly)."""
     acc = _acc_dtype(loss_dtype)
     logp = torch.log_softmax(x.to(loss_dtype), dim=1)
     picked = logp.gather(1, safe[:, None]).squeeze(1)
@@ -155,7 +152,11 @@ def _chunk_math(x: Tensor, safe: Tensor, valid: Tensor, scale: Tensor | None,
     p = logp.to(acc).exp()
     cols = torch.arange(x.shape[1], device=x.device)
     p = torch.where(cols[None, :] == safe[:, None], p - 1, p)
-    return nll, (p * scale.to(acc)[:, None]).to(x.dtype)
+    g = (p * scale.to(acc)[:, None]).to(x.dtype)
+    if out is None:
+        return nll, g
+    out.copy_(g)
+    return nll, out
 
 
 @functools.cache

@@ -355,3 +355,24 @@ def test_compiled_chunk_math_matches_the_eager_kernels(monkeypatch):
     for a, b in zip(res[True], res[False]):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5 if a.dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
+def test_config_options_are_validated():
+    from graphcomp.config import Config
+
+    with pytest.raises(ValueError, match=r"Config.loss_chunk_tokens: must be >= 1, got 0"):
+        Config.from_options({"loss_chunk_tokens": 0})
+    with pytest.raises(ValueError, match=r"Config.loss_chunk_tokens: expected int, got float 8.0"):
+        Config.from_options({"loss_chunk_tokens": 8.0})
+    with pytest.raises(ValueError, match=r"Config.loss_chunk_kernels: invalid value 'triton'; valid values: "
+                                         r"\['inductor', 'eager'\]"):
+        Config.from_options({"loss_chunk_kernels": "triton"})
+    assert Config.from_options({}).loss_chunk_tokens == 1024
+
+
+def test_eager_kernels_option_reaches_the_op():
+    h, w, t = _inputs()
+    gm = dynamo_graph(llama_loss, h, w, t)
+    gm, _ = run_pass("chunk_lm_loss", gm, stage="dynamo", loss_chunk_tokens=4, loss_chunk_kernels="eager")
+    (op,) = [n for n in gm.graph.nodes if n.target is OPS["linear_cross_entropy"]]
+    assert op.args[-1] is False
