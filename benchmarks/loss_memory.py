@@ -2,6 +2,7 @@
 (``graphcomp/memory.py``), without a GPU.
 
     python -m benchmarks.loss_memory W2 [--batch 4] [--seq 2048] [--chunk 1024,2048] [--layers N]
+                                        [--kernels inductor|eager] [--return-logits]
 
 Traces one training step (forward + backward) of the workload's Llama on the
 ``meta`` device (no memory is allocated, nothing is computed) with the pass off and
@@ -95,6 +96,21 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False, preserve_rng_state=False)
 
 
+class _ReturnsLogits(nn.Module):
+    """The model as a Hugging Face causal LM runs it: the loss and the logits are
+    both returned (``outputs.loss``, ``outputs.logits``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.nn.functional as F
+
+        logits = self.model(tokens)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()), logits
+
+
 def _model(preset: str, layers: int | None, checkpoint: bool = False) -> nn.Module:
     from graphcomp.models import Llama, get_config
 
@@ -113,7 +129,7 @@ def _model(preset: str, layers: int | None, checkpoint: bool = False) -> nn.Modu
 
 
 def trace(preset: str, batch: int, seq: int, chunk: int | None, layers: int | None,
-          kernels: str = "inductor", checkpoint: bool = False) -> dict[str, Any]:
+          kernels: str = "inductor", checkpoint: bool = False, return_logits: bool = False) -> dict[str, Any]:
     """Stage memory estimates of one step; ``chunk=None`` runs with the pass off."""
     import graphcomp
     from graphcomp import _compat, loss_ops
@@ -122,6 +138,8 @@ def trace(preset: str, batch: int, seq: int, chunk: int | None, layers: int | No
     torch._dynamo.reset()
     graphcomp.reset()
     m = _model(preset, layers, checkpoint)
+    if return_logits:
+        m = _ReturnsLogits(m)
     opts: dict[str, Any] = {"codegen": "eager", "passes": {"chunk_lm_loss": chunk is not None},
                             "loss_chunk_kernels": kernels}
     if chunk is not None:
@@ -140,7 +158,8 @@ def trace(preset: str, batch: int, seq: int, chunk: int | None, layers: int | No
     try:
         with _meta_substitutes(chunk is not None):
             cm = torch.compile(m, backend="graphcomp", dynamic=False, options=opts)
-            cm(tok, tgt).backward()
+            out = cm(tok, tgt)
+            (out[0] if return_logits else out).backward()
     finally:
         _compat.aot_autograd, _compat.has_fp32_out_addmm, loss_ops._use_compiled = orig, cuda_mm, cuda_chunk
     out: dict[str, Any] = {"chunk": chunk}
@@ -167,6 +186,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--layers", type=int, help="trace this many transformer blocks (default: the preset's)")
     p.add_argument("--kernels", default="inductor", choices=("inductor", "eager"), help="Config.loss_chunk_kernels")
     p.add_argument("--activation-checkpointing", choices=("on", "off"), help="override the workload's setting")
+    p.add_argument("--return-logits", action="store_true",
+                   help="return the logits with the loss, as Hugging Face models do (the pass's form 2)")
     args = p.parse_args(argv)
     from . import workloads
 
@@ -174,15 +195,15 @@ def main(argv: list[str]) -> None:
     w = workloads.get_workload(args.workload, batch=args.batch, seq=args.seq, activation_checkpointing=ac)
     gib = 2**30
     ckpt = w.activation_checkpointing
-    base = trace(w.preset, w.batch, w.seq, None, args.layers, checkpoint=ckpt)
+    base = trace(w.preset, w.batch, w.seq, None, args.layers, checkpoint=ckpt, return_logits=args.return_logits)
     print(f"{w.name}: batch {w.batch} x seq {w.seq}, vocab {workloads.model_config(w).vocab_size}, "
           f"layers {args.layers or workloads.model_config(w).n_layers}, chunk kernels {args.kernels}, "
-          f"activation checkpointing {'on' if ckpt else 'off'}")
+          f"activation checkpointing {'on' if ckpt else 'off'}{', logits returned' if args.return_logits else ''}")
     print(f"  pass off : fwd {base['fwd']['inductor'] / gib:6.2f} GiB  bwd {base['bwd']['inductor'] / gib:6.2f} GiB "
           f"(Inductor model; FX-only {base['fwd']['fx'] / gib:.2f} / {base['bwd']['fx'] / gib:.2f})")
     rows = [base]
     for c in [int(x) for x in args.chunk.split(",")]:
-        r = trace(w.preset, w.batch, w.seq, c, args.layers, args.kernels, ckpt)
+        r = trace(w.preset, w.batch, w.seq, c, args.layers, args.kernels, ckpt, args.return_logits)
         rows.append(r)
         print(f"  chunk {c:5d}: fwd {r['fwd']['inductor'] / gib:6.2f} GiB  bwd {r['bwd']['inductor'] / gib:6.2f} GiB "
               f"(FX-only {r['fwd']['fx'] / gib:.2f} / {r['bwd']['fx'] / gib:.2f}); step peak saved: "
