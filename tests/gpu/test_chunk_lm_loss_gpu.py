@@ -5,7 +5,8 @@ loss saves, and training with CUDA graphs.
 Budget: about 3 minutes on one H200 (most of it Inductor compiles). The memory
 test prints one ``CHUNK_LM_LOSS`` JSON line (peak memory and step time of the
 W2-sized loss with the pass off, on with compiled chunk kernels, on with eager
-ones); with ``$OUT`` set it also writes ``$OUT/chunk_lm_loss_gpu.json``."""
+ones, on with 2048-token chunks); with ``$OUT`` set it also writes
+``$OUT/chunk_lm_loss_gpu.json``."""
 
 from __future__ import annotations
 
@@ -136,14 +137,15 @@ def test_w2_sized_loss_saves_3_gib_and_records_time():
     off = _measure({"passes": {"chunk_lm_loss": False}})
     on = _measure({})
     on_eager = _measure({"loss_chunk_kernels": "eager"})
-    out = {"off": off, "on_inductor_kernels": on, "on_eager_kernels": on_eager,
+    on_2048 = _measure({"loss_chunk_tokens": 2048})  # fewer, larger chunks: the time/memory trade
+    out = {"off": off, "on_inductor_kernels": on, "on_eager_kernels": on_eager, "on_chunk_2048": on_2048,
            "saved_gib": off["peak_over_steady_gib"] - on["peak_over_steady_gib"],
            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     print("CHUNK_LM_LOSS " + json.dumps(out))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "chunk_lm_loss_gpu.json"), "w") as f:
             json.dump(out, f, indent=1)
-    for r in (on, on_eager):
+    for r in (on, on_eager, on_2048):
         assert abs(r["loss"] - off["loss"]) <= 1e-3 * abs(off["loss"])
     assert out["saved_gib"] >= 3.0, out
 
