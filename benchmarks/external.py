@@ -21,6 +21,7 @@ from .systems import ADAMW, BF16, CLIP, Built, Ctx, NotRun, _common_config, make
 log = logging.getLogger(__name__)
 
 ABLATION_PREFIX = "graphcomp-no_"
+ENABLE_PREFIX = "graphcomp-with_"
 
 
 # --------------------------------------------------------------------------- graphcomp
@@ -61,6 +62,13 @@ def graphcomp_passes() -> tuple[dict[str, bool] | None, str | None]:
                 default = True
         out[name] = bool(True if default is None else default)
     return out, None
+
+
+def make_enable_builder(pass_name: str):
+    def build(ctx: Ctx) -> Built:
+        return build_graphcomp(ctx, enable=pass_name)
+
+    return build
 
 
 def ablation_systems() -> tuple[list[str], str | None]:
@@ -117,9 +125,16 @@ def _raw_counters(graphcomp) -> dict:
         return {"repr": repr(c)}
 
 
-def build_graphcomp(ctx: Ctx, disable: str | None = None) -> Built:
+def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None) -> Built:
     graphcomp = _import_graphcomp()
     options: dict = {}
+    if enable is not None:  # graphcomp-with_<pass>: a pass that is off by default, switched on
+        passes, reason = graphcomp_passes()
+        if passes is None:
+            raise NotRun(reason)
+        if enable not in passes:
+            raise NotRun(f"unknown graphcomp pass {enable!r}; registered: {sorted(passes)}")
+        options["passes"] = {enable: True}
     if disable is not None:
         passes, reason = graphcomp_passes()
         if passes is None:

@@ -1,13 +1,15 @@
 """Memory model vs measured peak on one GPU (issue 5).
 
-    python -m benchmarks.memcheck W2 off[,auto]
+    python -m benchmarks.memcheck W2 off[,auto] [PASS[,PASS...]]
 
 Trains the workload sharded with world size 1 (the graphs carry the collectives, so
 the model sees what it sees on N GPUs, with N = 1) for 5 steps per CUDA-graph mode
 and prints, per mode, the measured peak allocated memory, graphcomp's estimate
 (``benchmarks.external.memory_estimate``: largest stage-graph peak + optimizer
-state) and their ratio; ``$OUT/memcheck-<W>-1gpu.json`` gets everything. On a CPU
-it is a dry run of the logic (zeros for memory).
+state) and their ratio; ``$OUT/memcheck-<W>-1gpu.json`` gets everything. The
+optional third argument names passes to switch off (e.g. ``chunk_lm_loss``, to
+measure what that pass saves). On a CPU it is a dry run of the logic (zeros for
+memory).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _no_cuda_memory_stats() -> None:
     torch.cuda.max_memory_allocated = torch.cuda.max_memory_reserved = lambda *a, **k: 0
 
 
-def check(w: workloads.Workload, cudagraphs: str, dev: torch.device) -> dict:
+def check(w: workloads.Workload, cudagraphs: str, dev: torch.device, disable: tuple[str, ...] = ()) -> dict:
     torch._dynamo.reset()
     graphcomp.reset()
     gc.collect()
@@ -47,7 +49,8 @@ def check(w: workloads.Workload, cudagraphs: str, dev: torch.device) -> dict:
     t0 = time.time()
     model = workloads.build_model(w, dev, 0)
     graphcomp.shard(model, param_dtype=torch.bfloat16)
-    compiled = torch.compile(model, backend="graphcomp", options={"cudagraphs": cudagraphs})
+    compiled = torch.compile(model, backend="graphcomp",
+                             options={"cudagraphs": cudagraphs, "passes": {p: False for p in disable}})
     opt, _ = make_optimizer(model.parameters(), dev)
     step = standard_step(compiled, opt, dev, autocast=False)
     batches = workloads.make_batches(w, 5, 0, 1, 0, dev)
@@ -63,7 +66,7 @@ def check(w: workloads.Workload, cudagraphs: str, dev: torch.device) -> dict:
     peak = torch.cuda.max_memory_allocated()
     est = memory_estimate(opt)
     mems = {st: d.get("memory") for f in STATE.frames for st, d in f["stages"].items()}
-    r = {"cudagraphs": cudagraphs, "sharded": True, "peak_alloc_gib": peak / 2**30,
+    r = {"cudagraphs": cudagraphs, "passes_off": list(disable), "sharded": True, "peak_alloc_gib": peak / 2**30,
          "peak_resv_gib": torch.cuda.max_memory_reserved() / 2**30,
          "est_gib": est.get("estimated_step_peak_bytes", 0) / 2**30, "estimate": est,
          "stage_mem": {k: {kk: v.get(kk) for kk in _STAGE_KEYS} for k, v in mems.items() if v},
@@ -87,12 +90,14 @@ def main(argv: list[str]) -> None:
         _no_cuda_memory_stats()
     w = workloads.get_workload(argv[0] if argv else "W2", warmup=2, steps=3)
     res = []
+    disable = tuple(p for p in (argv[2] if len(argv) > 2 else "").split(",") if p)
     for mode in (argv[1] if len(argv) > 1 else "off").split(","):
-        r = check(w, mode, dev)
+        r = check(w, mode, dev, disable)
         print("MEMCHECK", json.dumps(r), flush=True)
         res.append(r)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"memcheck-{w.name}-1gpu.json"), "w") as f:
+        tag = "".join(f"-no_{p}" for p in disable)
+        with open(os.path.join(os.environ["OUT"], f"memcheck-{w.name}-1gpu{tag}.json"), "w") as f:
             json.dump(res, f, indent=1)
     dist.destroy_process_group()
 

@@ -31,7 +31,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from . import measure, report, workloads  # noqa: E402
-from .external import ABLATION_PREFIX, EXTERNAL_BUILDERS, ablation_systems, make_ablation_builder  # noqa: E402
+from .external import (  # noqa: E402
+    ABLATION_PREFIX, ENABLE_PREFIX, EXTERNAL_BUILDERS, ablation_systems, make_ablation_builder, make_enable_builder,
+)
 from .systems import BUILDERS, Ctx, NotRun  # noqa: E402
 
 log = logging.getLogger("benchmarks")
@@ -48,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"one of {sorted(workloads.WORKLOADS)}, a comma list of them (run one after another in "
                         f"this process, one result file each) or hf-all (every hf-* workload)")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
-                   help=f"comma list from {sorted(ALL_BUILDERS)}, '{ABLATION_PREFIX}<pass>', "
+                   help=f"comma list from {sorted(ALL_BUILDERS)}, '{ABLATION_PREFIX}<pass>', '{ENABLE_PREFIX}<pass>', "
                         "'graphcomp-ablation' (every default-on pass off in turn) or 'all'")
     p.add_argument("--ablation", action="store_true", help="append graphcomp-ablation to --systems")
     p.add_argument("--warmup", type=int, help="steps before the measured window (workload default)")
@@ -125,6 +127,8 @@ def expand_systems(spec: str, ablation: bool) -> list[tuple[str, object]]:
             out += [(a, make_ablation_builder(a[len(ABLATION_PREFIX):])) for a in abl]
         elif n.startswith(ABLATION_PREFIX):
             out.append((n, make_ablation_builder(n[len(ABLATION_PREFIX):])))
+        elif n.startswith(ENABLE_PREFIX):
+            out.append((n, make_enable_builder(n[len(ENABLE_PREFIX):])))
         elif n in ALL_BUILDERS:
             out.append((n, ALL_BUILDERS[n]))
         else:

@@ -489,3 +489,49 @@ def mark_outputs_user_visible(gm: fx.GraphModule) -> None:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     rets = out.args[0] if isinstance(out.args[0], (list, tuple)) else (out.args[0],)
     out.meta["user_visible_output_idxs"] = [i for i, r in enumerate(rets) if isinstance(r, fx.Node)]
+
+
+# ------------------------------------------------------------- chunked LM loss
+def has_fp32_out_addmm(t: torch.Tensor) -> bool:
+    """True where ``aten::addmm.dtype_out`` (bf16/fp16 matrices, fp32 accumulator;
+    torch >= 2.8, CUDA kernels only) can add a product into an fp32 tensor in place."""
+    return t.device.type == "cuda" and hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def addmm_accumulate_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place, ``acc`` at least as wide as ``a`` and ``b``, the
+    products summed in ``acc``'s dtype: one matmul with ``acc`` as its accumulator
+    (same dtype; or bf16/fp16 into fp32 on CUDA), else (CPU) on copies of ``a`` and
+    ``b`` in ``acc``'s dtype (exact: the upcast loses nothing)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16) and has_fp32_out_addmm(a):
+        torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def is_autocast_marker(node: fx.Node) -> str | None:
+    """``"enter"`` / ``"exit"`` for the nodes Dynamo emits around a traced
+    ``torch.autocast`` region (``torch.amp.autocast_mode._enter_autocast`` /
+    ``_exit_autocast``, the same in 2.11 and 2.13), else None."""
+    if node.op != "call_function":
+        return None
+    name = getattr(node.target, "__name__", "")
+    mod = getattr(node.target, "__module__", "") or ""
+    if "autocast" not in mod:
+        return None
+    return {"_enter_autocast": "enter", "_exit_autocast": "exit"}.get(name)
+
+
+def autocast_enabled() -> list[str]:
+    """Device types with autocast enabled in the calling thread (Dynamo traces the
+    frame under this state, so its graph computes in the autocast dtypes)."""
+    out = []
+    for dev in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                out.append(dev)
+        except (TypeError, RuntimeError):  # pragma: no cover - device type unknown to this build
+            pass
+    return out

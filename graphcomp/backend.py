@@ -2,7 +2,8 @@
 
 Flow of one compiled frame (``Config.codegen == "inductor"``)::
 
-    Dynamo FX graph ─► inductor.compile_fx(inner_compile=ours, joint_custom_pre_pass=ours)
+    Dynamo FX graph ─► our DYNAMO passes (torch-level IR, both codegens)
+                    ─► inductor.compile_fx(inner_compile=ours, joint_custom_pre_pass=ours)
         joint graph   ─► our JOINT passes ─► Inductor joint passes ─► min-cut partition
         fwd / bwd     ─► our STAGE passes ─► compile_fx_inner (Inductor codegen)
 
@@ -70,7 +71,6 @@ class FrameCompiler:
         STATE.counters["frames_compiled"] += 1
         if self.recompile:
             STATE.counters["recompiles"] += 1
-        self.dumper.graph(self.frame_id, "dynamo", "input", gm)
 
     # ---------------------------------------------------------------- stages
     def run(self, stage: str, gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphModule:
@@ -86,7 +86,7 @@ class FrameCompiler:
         ops_in = graph_utils.op_counts(gm)
         nodes_in = len(gm.graph.nodes)
         gm, records = run_stage(gm, ctx, self.dumper)
-        colls = graph_utils.collectives(gm)
+        colls = graph_utils.collectives(gm) if stage != "dynamo" else []  # (torch-level ops: counted after AOT)
         self.summary["stages"][stage] = {
             "nodes_in": nodes_in,
             "nodes_out": len(gm.graph.nodes),
@@ -96,7 +96,9 @@ class FrameCompiler:
             "collectives": colls,
             "bytes_by_dtype": graph_utils.collective_bytes_by_dtype(colls),
             "partitions": self.frame_data.get(f"partitions:{stage}", []),
-            "memory": self._memory_summary(stage, gm),  # static estimate: peak bytes and where (graphcomp/memory.py)
+            # static estimate: peak bytes and where (graphcomp/memory.py); the torch-level
+            # Dynamo graph carries no fake values the model reads
+            "memory": self._memory_summary(stage, gm) if stage != "dynamo" else None,
         }
         if stage in ("fwd", "bwd"):
             for dtype, b in graph_utils.collective_bytes_by_dtype(colls, "all_gather").items():
@@ -203,6 +205,8 @@ class FrameCompiler:
     def compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         t0 = time.perf_counter()
         try:
+            # torch-level passes (dumped as dynamo/input.txt, dynamo/NN-<pass>.*.txt)
+            gm = self.run("dynamo", gm, example_inputs)
             if self.cfg.codegen == "inductor":
                 captures = self.cfg.cudagraphs != "off" and self.cfg.pass_enabled("cudagraphs")
                 hook = _compat.make_joint_hook(self.joint_hook, cache_uuid(self.cfg, captures))

@@ -23,6 +23,7 @@ CudaGraphsMode = Literal["off", "auto", "require"]
 StaticCheck = Literal["first", "always"]
 AddressChange = Literal["error", "recapture"]
 OutputCopy = Literal["auto", "always"]
+LossKernels = Literal["inductor", "eager"]
 
 
 @dataclass(kw_only=True)
@@ -126,6 +127,22 @@ class Config:
     overwritten. Forward outputs returned to user code (the loss) are always
     copied: they are small and often kept for logging."""
 
+    loss_chunk_tokens: int = 1024
+    """Pass ``chunk_lm_loss``: rows (tokens) per chunk of the chunked language-model
+    loss. Each chunk holds at most two ``[loss_chunk_tokens, vocab]`` buffers at once
+    (its logits, their fp32 copy, log-probabilities or gradient), instead of the
+    whole ``[tokens, vocab]`` logits in fp32 and their gradient; a linear head's
+    weight gradient (``vocab x hidden``, fp32) is summed over the chunks and kept
+    for the backward. Smaller chunks use less memory and launch more, smaller kernels (each
+    chunk is one matmul of ``loss_chunk_tokens`` rows per product). Must be >= 1."""
+
+    loss_chunk_kernels: LossKernels = "inductor"
+    """Pass ``chunk_lm_loss``: how each chunk's softmax and gradient arithmetic runs
+    on CUDA. ``"inductor"``: one function compiled by Inductor at its first call
+    (a row reduction and one elementwise pass; it holds only the chunk's logits and
+    gradient); ``"eager"``: about six eager kernels per chunk, each reading and
+    writing the chunk in fp32. On other devices it always runs eagerly."""
+
     debug: bool = False
     """Extra checks and logging: lint every graph after every pass (a pass that
     breaks the graph fails at once, naming the pass) and log the op-count diff of
@@ -171,7 +188,7 @@ class Config:
             raise ValueError(f"Config.memory_budget: a float is a fraction of device memory and must be in (0, 1], got {mb!r}")
         if isinstance(mb, int) and mb <= 0:
             raise ValueError(f"Config.memory_budget: int bytes must be > 0, got {mb!r}")
-        for name in ("min_piece_nodes", "max_captures"):
+        for name in ("min_piece_nodes", "max_captures", "loss_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Config.{name}: must be >= 1, got {getattr(self, name)}")
         for op in self.split_ops:

@@ -19,6 +19,10 @@ Model (deterministic: it reads only the graph, so every rank computes the same):
   allocated: the communication stream keeps the block from reuse until it is done,
   but it is no longer "allocated").
 
+* an op that allocates scratch memory inside itself (graphcomp's chunked loss ops,
+  ``graphcomp/loss_ops.py``) holds it while it runs, on top of its inputs and
+  outputs (:func:`workspace_bytes`);
+
 * ``fused=True`` models what Inductor allocates instead of what the FX graph
   names: a pointwise value whose every user is a pointwise op or a reduction (and
   that is not returned) is computed inside its consumers' kernel and never
@@ -62,6 +66,31 @@ class MemoryEstimate:
 def value_bytes(node: fx.Node) -> int:
     """Bytes of the node's output(s) from ``meta['val']`` (0 if unknown)."""
     return sum(max(gu.nbytes(t), 0) for t in gu.tensor_values(gu.tensor_meta(node)))
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Scratch memory of one op, live only while it runs (a key of ``intervals``)."""
+
+    node: fx.Node
+
+    @property
+    def name(self) -> str:
+        return f"{self.node.name}:workspace"
+
+    op = "workspace"
+
+
+def workspace_bytes(node: fx.Node) -> int:
+    """Bytes ``node``'s op allocates inside itself beyond its outputs (0 for any op
+    but graphcomp's chunked loss ops, or when sizes are symbolic)."""
+    t = node.target
+    if node.op != "call_function" or getattr(t, "namespace", None) != "graphcomp":
+        return 0
+    from . import loss_ops
+
+    vals = [gu.tensor_meta(a) if isinstance(a, fx.Node) else None for a in node.args]
+    return loss_ops.workspace_bytes(t, node.args, vals)
 
 
 def is_alias(node: fx.Node) -> bool:
@@ -191,6 +220,11 @@ def intervals(
         if r in inplace and last == inplace[r]:
             last -= 1  # the kernel at `last` writes its output into this buffer
         live[r] = [(start, max(last, start))]
+    for n in nodes:
+        ws = workspace_bytes(n)
+        if ws > 0:
+            key = Workspace(n)
+            live[key], size[key] = [(idx[n], idx[n])], ws  # type: ignore[index]
     return nodes, live, size
 
 

@@ -1,9 +1,11 @@
 """The pass pipeline: registry, order rules, toggles, timing, records and dumps.
 
 A pass is ``fn(gm: torch.fx.GraphModule, ctx: PassContext) -> GraphModule`` over
-aten-level FX. It is registered with :func:`register_pass`, which declares the
-stages it runs in (``joint``, ``fwd``, ``bwd``, ``inference``), whether it is on by
-default, and its order rules (``after=`` / ``before=`` other passes, or ``last=True``).
+aten-level FX (``joint``, ``fwd``, ``bwd``, ``inference``), or over the torch-level
+graph Dynamo hands the backend (``dynamo``: before AOTAutograd, for passes that must
+change what gets differentiated, e.g. swap a loss for a custom op with its own
+autograd formula). It is registered with :func:`register_pass`, which declares the
+stages it runs in, whether it is on by default, and its order rules (``after=`` / ``before=`` other passes, or ``last=True``).
 
 The pipeline owns the order (a stable topological sort of the rules; ties keep
 registration order), the per-pass enable flags (``Config.passes``), wall time,
@@ -28,7 +30,7 @@ from .state import STATE
 
 log = logging.getLogger(__name__)
 
-STAGES = ("joint", "fwd", "bwd", "inference")
+STAGES = ("dynamo", "joint", "fwd", "bwd", "inference")
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
 

@@ -75,7 +75,9 @@ def test_inductor_codegen_with_passes_off_matches_backend_inductor():
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])
 def test_codegens_match_eager(codegen):
     m_ref, m = _model(), _model()
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen})
+    # chunk_lm_loss changes the loss's summation order (fp32 tolerance, tested in
+    # test_chunk_lm_loss_e2e.py); this test is about the codegens running the graphs as they are
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen, "passes": {"chunk_lm_loss": False}})
     # first-step gradients: fp32 rounding of fused kernels only
     g_ref, g = _grads(m_ref, m_ref), _grads(m, cm)
     for a, b in zip(g, g_ref):
@@ -102,7 +104,7 @@ def test_inference_frames(codegen):
     with torch.no_grad():
         torch.testing.assert_close(cm(x), m(x))
     (frame,) = STATE.frames
-    assert set(frame["stages"]) == {"inference", "fwd"}
+    assert set(frame["stages"]) == {"dynamo", "inference", "fwd"}
     with torch.inference_mode():
         torch.testing.assert_close(cm(x), m(x))
 

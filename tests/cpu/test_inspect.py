@@ -42,7 +42,7 @@ def test_dump_layout_and_summary(tmp_path):
     root = _compile_with_test_pass(tmp_path)
     summary = json.loads((root / "rank0" / "summary.json").read_text())
     (frame,) = summary["frames"]
-    assert set(frame["stages"]) == {"joint", "fwd", "bwd"}
+    assert set(frame["stages"]) == {"dynamo", "joint", "fwd", "bwd"}
     joint = frame["stages"]["joint"]
     rec = next(p for p in joint["passes"] if p["name"] == "gelu_to_relu")
     assert rec["changed"] and rec["counts"] == {"gelu_replaced": 1}
