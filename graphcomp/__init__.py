@@ -49,6 +49,7 @@ def _bind_checkout_passes() -> None:
 _bind_checkout_passes()
 
 from . import env as _env
+from . import optim
 from .config import Config
 from .sharding import shard
 from .state import STATE as _STATE
@@ -80,4 +81,4 @@ _log = _logging.getLogger("graphcomp")
 if _env.log_level():
     _log.setLevel(_env.log_level())
 
-__all__ = ["Config", "backend", "counters", "reset", "shard", "__version__"]
+__all__ = ["Config", "backend", "counters", "optim", "reset", "shard", "__version__"]
