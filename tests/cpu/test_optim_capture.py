@@ -29,17 +29,30 @@ NAN_STEP = 5
 
 
 # ------------------------------------------------------------ stand-in device
+def graph_inputs(step):
+    """The addresses a captured step's graph reads: gradients (or the static
+    buffers), parameters and optimizer state, lr tensors."""
+    grads = step._grad_bufs if step._copy_mode else [_local(p.grad) for p in step._step_params]
+    ts = grads + step._static_tensors() + [t for t in step._lr if t is not None]
+    return [t.data_ptr() for t in ts]
+
+
 class StandInGraph:
-    """A CUDA graph's capture executes nothing and its replays execute the kernels.
-    The stand-in runs the function once at capture (that call's step) and skips the
-    capture call's own replay, then runs it again at every replay."""
+    """A CUDA graph's capture executes nothing and its replays execute the kernels
+    on the memory they were captured on. The stand-in runs the function once at
+    capture (that call's step) and skips the capture call's own replay, then runs it
+    again at every replay, after asserting that everything it reads is where it was
+    at capture (a real graph would read stale memory otherwise)."""
 
     def __init__(self):
         self.fn = None
         self.skip_next = False
         self.was_reset = False
+        self.inputs = None
 
     def replay(self):
+        assert not self.was_reset
+        assert graph_inputs(self.fn.__self__) == self.inputs, "replayed with inputs at other addresses"
         if self.skip_next:
             self.skip_next = False
             return
@@ -76,6 +89,7 @@ class StandInDevice(manager.CudaDevice):
 
     def capture(self, g, pool, stream, fn, inputs, replay_inputs):
         g.fn = fn
+        g.inputs = graph_inputs(fn.__self__)
         self.captures += 1
         out = fn(inputs)
         g.skip_next = True
