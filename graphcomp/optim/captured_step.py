@@ -144,8 +144,6 @@ class CapturedStep:
         opt = self.opt
         adam = type(opt) is not torch.optim.SGD
         self._params = list(dict.fromkeys(p for g in opt.param_groups for p in g["params"]))
-        if not self._params:
-            raise ValueError("graphcomp.optim.capture: the optimizer has no parameters")
         device = self._params[0].device
         moved = 0
         for g in opt.param_groups:
@@ -168,6 +166,8 @@ class CapturedStep:
             self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._state_obj, self._groups_obj = opt.state, opt.param_groups
         self._shape = [len(g["params"]) for g in opt.param_groups]
+        # the first adoption always warms up (lazy initialisation: state, NCCL); after a
+        # load_state_dict, parameters with state capture at once
         self._initialized = {id(p) for p in self._params if opt.state.get(p)} if self._adopted else set()
         self._hyper = None
         self._drop_graph()
@@ -185,7 +185,9 @@ class CapturedStep:
             for k, v in g.items():
                 if k in ("params", "initial_lr") or (k == "lr" and lr_t is not None):
                     continue
-                items.append((k, id(v) if isinstance(v, torch.Tensor) else v))
+                if isinstance(v, torch.Tensor):  # a host tensor by value; a device tensor is read in the graph
+                    v = ("tensor", v.tolist()) if v.device.type == "cpu" else ("tensor", id(v))
+                items.append((k, v))
             out.append(tuple(items))
         return tuple(out)
 

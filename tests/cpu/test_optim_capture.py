@@ -534,6 +534,27 @@ def test_bad_arguments(kw, match):
 def test_not_an_optimizer():
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got list"):
         gopt.capture([torch.zeros(1)])
+    with pytest.raises(ValueError, match="the optimizer has no parameters"):
+        gopt.capture(torch.optim.SGD([{"params": []}], lr=0.1))
+
+
+def test_host_tensor_hyperparameter_changed_in_place_recaptures(pg1, dev):
+    """An SGD lr held in a CPU tensor (a graph constant) that a scheduler fills in place."""
+    m, o = make(0, torch.optim.SGD, dict(lr=torch.tensor(0.1), momentum=0.9))
+    rm, ro = make(0, torch.optim.SGD, dict(lr=torch.tensor(0.1), momentum=0.9))
+    step = gopt.capture(o, max_norm=1.0)
+    for s in range(5):
+        if s == 3:
+            o.param_groups[0]["lr"].fill_(0.05)
+            ro.param_groups[0]["lr"].fill_(0.05)
+        backward(m, s)
+        copy_grads(m, rm)
+        step()
+        reference_step(ro, 1.0, [None])
+        assert_same(m, o, rm, ro)
+        o.zero_grad(set_to_none=False)
+        ro.zero_grad()
+    assert graphcomp.counters["optimizer_recaptures"] == 1
 
 
 # ----------------------------------------------------------- 2 gloo ranks
