@@ -458,3 +458,16 @@ def optimizer_step_hooks(opt: Any) -> int:
     n = len(getattr(opt, "_optimizer_step_pre_hooks", {}) or {}) + len(getattr(opt, "_optimizer_step_post_hooks", {}) or {})
     n += len(getattr(_opt, "_global_optimizer_pre_hooks", {}) or {}) + len(getattr(_opt, "_global_optimizer_post_hooks", {}) or {})
     return n
+
+
+def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``[p.grad for p in params]`` without the ``__torch_function__`` dispatch a
+    tensor subclass (DTensor) makes on each ``.grad`` read."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return [p.grad for p in params]
+
+
+def local_data_ptrs(tensors: Sequence[torch.Tensor | None]) -> tuple[int | None, ...]:
+    """The data pointer of each tensor's local shard (a DTensor's ``_local_tensor``,
+    else the tensor itself); None for None. One pass, for per-step address checks."""
+    return tuple(None if t is None else getattr(t, "_local_tensor", t).data_ptr() for t in tensors)

@@ -342,7 +342,7 @@ class CapturedStep:
             self._capturing_into = None
         dev.wait(dev.current_stream(), stream)
         self._graph = g
-        self._grad_ptrs = tuple(t.data_ptr() for t in self._local_grads(with_grad))
+        self._grad_ptrs = self._grad_key(_compat.grads_of(self._params))
         self._static_ptrs = tuple(t.data_ptr() for t in self._static_tensors())
         self._replays_checked = 0
         self._hyper = self._hyper_key()
@@ -390,31 +390,44 @@ class CapturedStep:
         if self._graph is not None and hyper != self._hyper:
             changed = [k for a, b in zip(hyper, self._hyper) for k, v in a if (k, v) not in b] or ["param_groups"]
             self._invalidate(f"hyper-parameter {changed[0]!r} changed")
-        with_grad = [p for p in self._params if p.grad is not None]
+        grads = _compat.grads_of(self._params)
+        if self._graph is not None and (not check_grads or self._grad_key(grads) == self._grad_ptrs):
+            return self._check_static(with_grad=None)  # the common case: nothing moved
+        with_grad = [p for p, g in zip(self._params, grads) if g is not None]
+        del grads
         if not with_grad or any(id(p) not in self._initialized for p in with_grad):
             return "warmup"
         if self._graph is None:
             return self._capture_plan(with_grad)
-        if not check_grads:
-            return "replay"
         if len(with_grad) != len(self._with_grad) or any(a is not b for a, b in zip(with_grad, self._with_grad)):
             self._invalidate("the set of parameters with a gradient changed")
             return self._capture_plan(with_grad)
         if not self._copy_mode:
-            if tuple(t.data_ptr() for t in self._local_grads(with_grad)) != self._grad_ptrs:
-                self._moves += 1
-                if self._moves > _MOVES_BEFORE_COPY:
-                    self._copy_mode = True
-                    self._decide(f"gradients moved {self._moves} times: static gradient buffers from now on "
-                                 f"({sum(t.numel() * t.element_size() for t in self._local_grads(with_grad))} bytes, "
-                                 f"one copy per step)")
-                self._invalidate("a gradient is at a new address")
-                return self._capture_plan(with_grad)
+            self._moves += 1
+            if self._moves > _MOVES_BEFORE_COPY:
+                self._copy_mode = True
+                self._decide(f"gradients moved {self._moves} times: static gradient buffers from now on "
+                             f"({sum(t.numel() * t.element_size() for t in self._local_grads(with_grad))} bytes, "
+                             f"one copy per step)")
+            self._invalidate("a gradient is at a new address")
+            return self._capture_plan(with_grad)
+        return self._check_static(with_grad)
+
+    def _grad_key(self, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
+        """What a replay compares with the capture: every parameter's gradient address
+        (None: no gradient); in copy mode only which parameters have one."""
+        if self._copy_mode:
+            return tuple(g is not None for g in grads)
+        return _compat.local_data_ptrs(grads)
+
+    def _check_static(self, with_grad: list[torch.Tensor] | None) -> str:
+        """Parameters and optimizer state where they were at capture (on the first
+        replays, or always with ``check_static_inputs="always"``)."""
         if self.check_always or self._replays_checked < 2:
             self._replays_checked += 1
             if tuple(t.data_ptr() for t in self._static_tensors()) != self._static_ptrs:
                 self._invalidate("a parameter or optimizer-state tensor is at a new address")
-                return self._capture_plan(with_grad)
+                return self._capture_plan(with_grad if with_grad is not None else self._with_grad)
         return "replay"
 
     def _invalidate(self, why: str) -> None:
