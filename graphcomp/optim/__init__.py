@@ -22,6 +22,13 @@ shards and all); only the kernels are replayed, so the Python and DTensor dispat
 cost (several ms on ~100 shards) is paid at capture only, and the update is the
 update eager ``opt.step()`` makes with the same settings.
 
+Steps. The first call is an eager warm-up step (it creates the optimizer's state and
+initialises NCCL, under ``graphcomp.runtime.is_capturing()``); the next call captures
+(on the runtime's capture stream, into a private pool) and replays; later calls replay.
+Until a step has actually updated every parameter that has a gradient (a skipped first
+step, a parameter that gets its first gradient late), calls stay eager. Eager steps
+decide the skip on the host (one sync each); replays never sync.
+
 Graph-safe settings. At the first step the optimizer is switched to torch's graph-safe
 form, in place: Adam/AdamW groups get ``capturable=True`` (``state['step']`` on the
 device); while the step runs, each group's ``lr`` is a float32 device tensor that the
@@ -58,6 +65,15 @@ a few bytes per parameter for fused optimizers and SGD, about one copy of the lo
 parameter shards for foreach/for-loop Adam(W) (its ``exp_avg_sq.sqrt()``). Warm-up
 and eager steps run on the current stream (their temporaries go back to the
 caching allocator).
+
+Host work per replay: refresh changed lrs, compare the hyper-parameters the graph
+holds as constants (a change re-captures), compare every gradient's address, and (on
+the first replays, or always with ``check_static_inputs="always"``) the parameters' and
+the optimizer state's addresses; ``load_state_dict`` / ``add_param_group`` (new state
+objects) re-capture. For sequences of replays without Python between them,
+``step.ready()`` does this work ahead and says whether ``step.replay()``, the bare
+replay, may run (the norm is then in ``step.last_norm``). ``graphcomp.runtime.teardown()``
+releases the graph (it holds an NCCL collective); later calls run eagerly.
 
 When it cannot capture (optimizer other than Adam/AdamW/SGD, ``differentiable=True``,
 step hooks, no CUDA, no conditional graph nodes with ``skip_nonfinite``) it runs
