@@ -632,3 +632,72 @@ def test_two_ranks_global_norm_skip_and_dcp(ranks2, tmp_path):
             assert r[name]["captured"] == 7
             assert all(c == 1 for c in r[name]["comms"]), r[name]["comms"]  # one all-reduce per step
         assert r["dcp_captured"] >= 6
+
+
+def test_ready_and_replay_for_replay_sequences(pg1, dev):
+    m, o = make(0, torch.optim.AdamW, dict(lr=1e-2, fused=True))
+    rm, ro = make(0, torch.optim.AdamW, dict(lr=1e-2, fused=True))
+    step, lrs = gopt.capture(o, max_norm=1.0), lr_tensors_for(ro)
+    for s in range(5):
+        backward(m, s)
+        copy_grads(m, rm)
+        if s < 2:
+            assert not step.ready()  # warm-up, then the capture
+            step()
+        else:
+            assert step.ready()
+            step.replay()
+        ref = reference_step(ro, 1.0, lrs)
+        assert torch.equal(step.last_norm, ref)
+        assert_same(m, o, rm, ro)
+        o.zero_grad(set_to_none=False)
+        ro.zero_grad()
+    p = m.fc1._parameters["weight"]
+    p.grad = p.grad.clone()  # moved: not ready, step() re-captures
+    assert not step.ready()
+    assert graphcomp.counters["optimizer_steps_captured"] == 4
+
+
+def test_parameter_with_a_late_first_gradient(pg1, dev):
+    """fc2 gets no gradient in the first steps: when it does, one eager step creates
+    its state, then the step is captured again for all parameters."""
+    cls, kw = torch.optim.AdamW, dict(lr=1e-2, foreach=True)
+    m, o = make(0, cls, kw)
+    rm, ro = make(0, cls, kw)
+    step, lrs = gopt.capture(o, max_norm=1.0), lr_tensors_for(ro)
+    late = list(m.fc2.parameters())
+    for s in range(6):
+        backward(m, s)
+        if s < 3:
+            for p in late:
+                p.grad = None
+        copy_grads(m, rm)
+        step()
+        reference_step(ro, 1.0, lrs)
+        assert_same(m, o, rm, ro)
+        o.zero_grad(set_to_none=False)
+        ro.zero_grad()
+    c = graphcomp.counters
+    assert c["optimizer_steps_eager"] == 2 and c["optimizer_captures"] == 2
+    assert any("set of parameters with a gradient changed" in d for d in step.decisions)
+
+
+def test_if_node_seam_ends_the_body_on_error():
+    calls = []
+
+    class G:
+        def begin_capture_to_if_node(self, pred):
+            calls.append(("begin", pred.dtype))
+
+        def end_capture_to_conditional_node(self):
+            calls.append("end")
+
+    def body():
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError):
+        manager.CudaDevice().run_if(G(), torch.ones((), dtype=torch.bool), body)
+    assert calls == [("begin", torch.bool), "end"]
+    assert graphcomp._compat.cuda_graph_if_supported() is (torch.version.cuda is not None
+                                                          and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+                                                          and tuple(int(x) for x in torch.version.cuda.split(".")[:2]) >= (12, 4))
