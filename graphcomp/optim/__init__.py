@@ -61,8 +61,8 @@ more copy of the local gradient shards; ``param.grad`` then keeps the unclipped
 values after the step). Any change in which parameters have a gradient re-captures.
 
 Memory. The graph allocates from a private pool, so its temporaries stay reserved:
-a few bytes per parameter for fused optimizers and SGD, about one copy of the local
-parameter shards for foreach/for-loop Adam(W) (its ``exp_avg_sq.sqrt()``). Warm-up
+8 bytes per parameter for fused AdamW (per-shard norms), one copy of the local
+parameter shards for foreach Adam(W) (its ``exp_avg_sq.sqrt()``), counted on the CPU. Warm-up
 and eager steps run on the current stream (their temporaries go back to the
 caching allocator).
 
@@ -90,9 +90,9 @@ import math
 
 import torch
 
-from .captured_step import _MOVES_BEFORE_COPY, SUPPORTED, CapturedStep
+from .captured_step import SUPPORTED, CapturedStep
 
-__all__ = ["CapturedStep", "capture"]
+__all__ = ["SUPPORTED", "CapturedStep", "capture"]
 
 
 def capture(

@@ -20,6 +20,7 @@ import graphcomp
 from graphcomp import optim as gopt
 from graphcomp import runtime
 from graphcomp.models import TinyMLP
+from graphcomp.optim.captured_step import _MOVES_BEFORE_COPY
 from graphcomp.runtime import manager
 
 from _dist import DistPool
@@ -301,7 +302,7 @@ def test_moving_gradients_switch_to_static_buffers(pg1, dev):
     st = step.stats()
     assert st["gradients"] == "copied" and st["grad_buffer_bytes"] == sum(
         _local(p).numel() * 4 for p in step._with_grad)
-    assert c["optimizer_recaptures"] == gopt._MOVES_BEFORE_COPY + 1
+    assert c["optimizer_recaptures"] == _MOVES_BEFORE_COPY + 1
     assert c["optimizer_grad_copy_bytes"] > 0
     assert c["optimizer_steps_captured"] == STEPS - 1
 
@@ -701,3 +702,64 @@ def test_if_node_seam_ends_the_body_on_error():
     assert graphcomp._compat.cuda_graph_if_supported() is (torch.version.cuda is not None
                                                           and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
                                                           and tuple(int(x) for x in torch.version.cuda.split(".")[:2]) >= (12, 4))
+
+
+class _PeakTemporaries(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak bytes of tensors created (not written in place) while active: what a
+    captured step's private pool must hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        import torch.utils._pytree as pytree
+
+        out = func(*args, **(kwargs or {}))
+        leaves = pytree.tree_leaves((args, kwargs))
+        ins = {_local(t).untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            local = _local(t)
+            ptr, n = local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()
+            if ptr in ins or ptr in self.seen:
+                continue
+            self.seen.add(ptr)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+
+            def dead(n=n, ptr=ptr):
+                self.live -= n
+                self.seen.discard(ptr)
+
+            weakref.finalize(local, dead)
+        return out
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_temporaries_of_the_step(pg1, dev, kind):
+    """The memory a captured step's private pool holds: a few bytes per parameter
+    for fused AdamW, one copy of the local parameter shards for foreach AdamW."""
+    from graphcomp.models import Llama
+
+    torch.manual_seed(0)
+    m = Llama("tiny")
+    graphcomp.shard(m)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3, **({"fused": True} if kind == "fused" else {"foreach": True}))
+    step = gopt.capture(o, max_norm=1.0)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    step()  # warm-up: the state exists
+    step._step_params = list(step._params)
+    mode = _PeakTemporaries()
+    with mode:
+        step._body([])
+    local = sum(_local(p).numel() * _local(p).element_size() for p in m.parameters())
+    if kind == "fused":
+        assert mode.peak <= 16 * len(step._params) + 64, mode.peak
+    else:
+        assert local <= mode.peak <= local + 16 * len(step._params) + 64, (mode.peak, local)
