@@ -763,3 +763,23 @@ def test_temporaries_of_the_step(pg1, dev, kind):
         assert mode.peak <= 16 * len(step._params) + 64, mode.peak
     else:
         assert local <= mode.peak <= local + 16 * len(step._params) + 64, (mode.peak, local)
+
+
+def test_unsupported_option_falls_back(pg1, dev):
+    m, o = make(0, torch.optim.AdamW, dict(lr=1e-2, differentiable=True), capturable=False)
+    with pytest.warns(RuntimeWarning, match=r"param_groups\[0\] has differentiable=True"):
+        step = gopt.capture(o, max_norm=1.0)
+    assert step.mode == "reference" and graphcomp.counters["optimizer_fallbacks"] == 1
+
+
+def test_without_conditional_nodes_the_skip_needs_eager(pg1, dev, monkeypatch):
+    monkeypatch.setattr(dev, "supports_if_nodes", lambda: False)
+    m, o = make(0, torch.optim.AdamW, dict(lr=1e-2, fused=True))
+    with pytest.warns(RuntimeWarning, match="conditional CUDA graph nodes.*skip_nonfinite=False"):
+        assert gopt.capture(o, max_norm=1.0).mode == "reference"
+    step = gopt.capture(o, max_norm=1.0, skip_nonfinite=False)  # no skip: no conditional node needed
+    for s in range(3):
+        backward(m, s)
+        step()
+        o.zero_grad(set_to_none=False)
+    assert graphcomp.counters["optimizer_steps_captured"] == 2 and dev.if_nodes == 0
