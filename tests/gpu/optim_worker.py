@@ -145,7 +145,7 @@ def _pool_reserved(pool) -> int:
     return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool))
 
 
-def perf(rank, world, kind):
+def scenario_perf(rank, world):
     torch._dynamo.reset()
     graphcomp.reset()
     torch.manual_seed(0)
@@ -153,46 +153,49 @@ def perf(rank, world, kind):
     m.reset_parameters(seed=0)
     graphcomp.shard(m)
     cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager"})
-    res = {"kind": kind, "params": sum(1 for _ in m.parameters()),
-           "local_param_bytes": sum(_local(p).numel() * _local(p).element_size() for p in m.parameters())}
-    for mode in ("eager", "captured"):
-        o = _optimizer(m.parameters(), kind, reference=mode == "eager")
-        step = graphcomp.optim.capture(o, max_norm=1.0) if mode == "captured" else None
-        host, dev, ready = [], [], []
-        for s in range(12):
-            tok, tgt = synthetic_batch(m.cfg, 2, 256, seed=1000 * rank + s, device="cuda")
-            cm(tok, tgt).backward()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            t0 = time.perf_counter()
-            if step is None:
-                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-                o.step()
-            else:
-                step()
-            host.append(time.perf_counter() - t0)
-            e1.record()
-            torch.cuda.synchronize()
-            dev.append(e0.elapsed_time(e1) / 1e3)
-            if step is not None and s >= 4:
+    local_bytes = sum(_local(p).numel() * _local(p).element_size() for p in m.parameters())
+    out = {}
+    for kind in ("fused", "foreach"):
+        res = {"kind": kind, "params": sum(1 for _ in m.parameters()), "local_param_bytes": local_bytes}
+        for mode in ("eager", "captured"):
+            before = dict(graphcomp.counters)
+            o = _optimizer(m.parameters(), kind, reference=False)  # as users build it
+            step = graphcomp.optim.capture(o, max_norm=1.0) if mode == "captured" else None
+            host, dev, ready = [], [], []
+            for s in range(12):
+                tok, tgt = synthetic_batch(m.cfg, 2, 256, seed=1000 * rank + s, device="cuda")
+                cm(tok, tgt).backward()
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
                 t0 = time.perf_counter()
-                step.ready()
-                ready.append(time.perf_counter() - t0)
-            o.zero_grad()
-        tail = lambda xs: sorted(xs[4:])[len(xs[4:]) // 2] * 1e6  # median of steps 4.., in us
-        res[f"{mode}_host_us"], res[f"{mode}_device_us"] = tail(host), tail(dev)
-        if step is not None:
-            res["ready_us"] = sorted(ready)[len(ready) // 2] * 1e6
-            res["pool_reserved"] = _pool_reserved(step._pool)
-            res["counters"] = {k: v for k, v in graphcomp.counters.items() if k.startswith("optimizer_")}
-            res["stats"] = step.stats()
-        del o, step
-    return res
-
-
-def scenario_perf(rank, world):
-    return {kind: perf(rank, world, kind) for kind in ("fused", "foreach")}
+                if step is None:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                    o.step()
+                else:
+                    step()
+                host.append(time.perf_counter() - t0)
+                e1.record()
+                torch.cuda.synchronize()
+                dev.append(e0.elapsed_time(e1) / 1e3)
+                if step is not None and s >= 4:
+                    t0 = time.perf_counter()
+                    step.ready()
+                    ready.append(time.perf_counter() - t0)
+                o.zero_grad()
+            tail = sorted(host[4:]), sorted(dev[4:])  # steps 4..: after warm-up and capture
+            res[f"{mode}_host_us"] = tail[0][len(tail[0]) // 2] * 1e6
+            res[f"{mode}_device_us"] = tail[1][len(tail[1]) // 2] * 1e6
+            if step is not None:
+                res["ready_us"] = sorted(ready)[len(ready) // 2] * 1e6
+                res["pool_reserved"] = _pool_reserved(step._pool)
+                res["counters"] = {k: v - before.get(k, 0) for k, v in graphcomp.counters.items()
+                                   if k.startswith("optimizer_")}
+                res["stats"] = step.stats()
+                step.release()
+            del o, step
+        out[kind] = res
+    return out
 
 
 def main():
