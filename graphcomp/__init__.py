@@ -50,6 +50,7 @@ _bind_checkout_passes()
 
 from . import _compat
 from . import env as _env
+from . import optim
 from .config import Config
 from .sharding import shard
 from .state import STATE as _STATE
@@ -87,4 +88,4 @@ _log = _logging.getLogger("graphcomp")
 if _env.log_level():
     _log.setLevel(_env.log_level())
 
-__all__ = ["Config", "backend", "counters", "reset", "shard", "__version__"]
+__all__ = ["Config", "backend", "counters", "optim", "reset", "shard", "__version__"]

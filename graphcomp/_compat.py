@@ -535,3 +535,58 @@ def autocast_enabled() -> list[str]:
         except (TypeError, RuntimeError):  # pragma: no cover - device type unknown to this build
             pass
     return out
+
+# -------------------------------------------------------------- optimizer capture
+def cuda_graph_if_supported() -> bool:
+    """Whether CUDA graphs can hold conditional (IF) nodes here: a CUDA >= 12.4
+    build (not ROCm) whose ``torch.cuda.CUDAGraph`` has
+    ``begin_capture_to_if_node`` (torch >= 2.7; used by ``torch.cond`` under capture)."""
+    if getattr(torch.version, "hip", None) or not torch.version.cuda:
+        return False
+    try:
+        major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (12, 4) and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+
+
+@contextlib.contextmanager
+def cuda_graph_if(graph: Any, pred: torch.Tensor) -> Iterator[None]:
+    """While ``graph`` is being captured: the kernels issued in the block go into
+    an IF node that runs at replay only while ``pred`` (a 0-dim bool CUDA tensor,
+    read on the device at replay) is true."""
+    graph.begin_capture_to_if_node(pred)
+    try:
+        yield
+    finally:
+        graph.end_capture_to_conditional_node()
+
+
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (the same object every call, no autograd
+    node: ``to_local()`` costs an autograd Function per call), or ``t`` itself."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
+def optimizer_step_hooks(opt: Any) -> int:
+    """How many step pre/post hooks would run in ``opt.step()`` (its own and the
+    global ones registered with ``torch.optim.optimizer.register_optimizer_step_*_hook``)."""
+    from torch.optim import optimizer as _opt
+
+    n = len(getattr(opt, "_optimizer_step_pre_hooks", {}) or {}) + len(getattr(opt, "_optimizer_step_post_hooks", {}) or {})
+    n += len(getattr(_opt, "_global_optimizer_pre_hooks", {}) or {}) + len(getattr(_opt, "_global_optimizer_post_hooks", {}) or {})
+    return n
+
+
+def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``[p.grad for p in params]`` without the ``__torch_function__`` dispatch a
+    tensor subclass (DTensor) makes on each ``.grad`` read."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return [p.grad for p in params]
+
+
+def local_data_ptrs(tensors: Sequence[torch.Tensor | None]) -> tuple[int | None, ...]:
+    """The data pointer of each tensor's local shard (a DTensor's ``_local_tensor``,
+    else the tensor itself); None for None. One pass, for per-step address checks."""
+    return tuple(None if t is None else getattr(t, "_local_tensor", t).data_ptr() for t in tensors)

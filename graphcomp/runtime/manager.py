@@ -112,6 +112,23 @@ class CudaDevice:
     def available(self) -> bool:
         return torch.cuda.is_available()
 
+    device_type = "cuda"
+    """The tensors' device type graphs are captured for (a stand-in device says "cpu")."""
+
+    def supports_if_nodes(self) -> bool:
+        """Whether a capture can contain a conditional (IF) node (CUDA >= 12.4)."""
+        from .. import _compat
+
+        return _compat.cuda_graph_if_supported()
+
+    def run_if(self, g: Any, pred: Any, fn: Any) -> None:
+        """Inside the capture of ``g``: capture ``fn()`` into an IF node that runs
+        at replay only while ``pred`` (a 0-dim bool device tensor) is true."""
+        from .. import _compat
+
+        with _compat.cuda_graph_if(g, pred):
+            fn()
+
 
 class PoolLedger:
     """Which pool tensors are handed out, and who may overwrite them.
@@ -210,6 +227,9 @@ class Runtime:
         self.pool: Any = None
         self.stream: Any = None
         self.runners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # other owners of captured graphs (graphcomp.optim's captured steps): teardown
+        # calls their release(final=True); they allocate from pools of their own
+        self.owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._capturing = 0
         self._setup_done = False
         self.ledger = PoolLedger()
@@ -239,6 +259,11 @@ class Runtime:
 
     def register(self, runner: Any) -> None:
         self.runners.add(runner)
+
+    def register_owner(self, owner: Any) -> None:
+        """Another owner of captured graphs (``owner.release(final=True) -> int``
+        releases them): torn down with the runners."""
+        self.owners.add(owner)
 
     def all_captures(self) -> list[Any]:
         """Every capture of a live runner, and the ledger's orphans."""
@@ -287,7 +312,7 @@ class Runtime:
             except Exception as e:  # pragma: no cover
                 log.warning("graphcomp: could not keep the CUDA-graph pool alive at teardown: %s", e)
         n = 0
-        for r in list(self.runners):
+        for r in [*self.runners, *self.owners]:
             try:
                 n += r.release(final=True)
             except Exception as e:  # never let teardown fail the exit path
@@ -317,6 +342,7 @@ class Runtime:
     def reset(self) -> None:
         self.teardown()
         self.runners = weakref.WeakSet()
+        self.owners = weakref.WeakSet()
         self.pool = None
         self.stream = None
         self._capturing = 0
