@@ -26,5 +26,10 @@ run() {  # name timeout_s cmd...
 GC_ZOO_OUT="$OUT/zoo" run zoo ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 1gpu
 run cudagraphs ${CG_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py
 run sharding 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_sharding_nccl.py
+run capfail 120 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k "capture_failure or item_model"
+GRAPHCOMP_GPU_RESULTS="$OUT" run optim1 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k 1gpu
+GRAPHCOMP_GPU_RESULTS="$OUT" run optimw1 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k w1
+run chunk 240 python -m pytest -q -p no:cacheprovider -s tests/gpu/test_chunk_lm_loss_gpu.py
+run memory 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k memory
 [ -d "$OUT/zoo" ] && tar czf "$OUT/zoo.tgz" -C "$OUT" zoo && rm -rf "$OUT/zoo"
 ls -la "$OUT"
