@@ -44,6 +44,9 @@ class CapturedStep:
         self.opt = opt
         self.max_norm, self.norm_type, self.foreach = max_norm, norm_type, foreach
         self.error_if_nonfinite, self.skip = error_if_nonfinite, skip_nonfinite or error_if_nonfinite
+        # how a captured step skips a non-finite update on the device: a conditional (IF)
+        # graph node, or the fused optimizer's own found_inf (see _static_reason)
+        self.skip_by = "if_node" if RUNTIME.device.supports_if_nodes() else "found_inf"
         self.require, self.check_always, self.max_recaptures = cudagraphs == "require", check_always, max_recaptures
         self.name = f"optim/{type(opt).__name__}"
         self.mode = "warmup"  # warmup | captured | eager (the captured path run eagerly, for good) | reference
@@ -103,10 +106,17 @@ class CapturedStep:
         bad = [p.device for p in params if p.device.type != dev.device_type]
         if bad:
             return f"parameters on {bad[0]}, CUDA graphs capture {dev.device_type} work only"
-        if self.skip and not dev.supports_if_nodes():
-            return ("skipping a non-finite step on the device needs conditional CUDA graph nodes (CUDA >= 12.4, "
-                    "torch >= 2.7); pass skip_nonfinite=False to capture without the skip")
+        if self.skip and not dev.supports_if_nodes() and not self._fused_found_inf():
+            return ("skipping a non-finite step on the device needs conditional CUDA graph nodes (this torch has "
+                    "none: torch 2.11 does not expose them) or a fused Adam/AdamW (its kernel skips on found_inf); "
+                    "use fused=True, or pass skip_nonfinite=False to capture without the skip")
         return None
+
+    def _fused_found_inf(self) -> bool:
+        """A fused Adam/AdamW skips a step on the device by itself when given
+        ``found_inf`` (as torch.amp's GradScaler does): no conditional node needed."""
+        opt = self.opt
+        return type(opt) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in opt.param_groups)
 
     def _fall_back(self, why: str, warn: bool = True) -> None:
         if self.require:
@@ -247,8 +257,17 @@ class CapturedStep:
             if self.skip:
                 self._finite.copy_(torch.isfinite(local))
                 self._skipped.add_(torch.logical_not(self._finite))
-                if self._capturing_into is not None:
+                if self._capturing_into is not None and self.skip_by == "if_node":
                     RUNTIME.device.run_if(self._capturing_into, self._finite, update)
+                elif self._capturing_into is not None:
+                    # the fused kernel leaves parameters and state alone, and undoes its step
+                    # count, where found_inf is 1 (the gradients are clipped by a non-finite
+                    # coefficient then, as the step is skipped they are only read by the user)
+                    self.opt.found_inf = torch.logical_not(self._finite).to(torch.float32)
+                    try:
+                        update()
+                    finally:
+                        del self.opt.found_inf
                 elif bool(self._finite):  # eager: a host sync
                     update()
             else:
@@ -510,7 +529,7 @@ class CapturedStep:
             "name": self.name, "mode": self.mode, "reason": self.reason, "captured": self._graph is not None,
             "recaptures": self._recaptures, "gradients": "copied" if self._copy_mode else "in place",
             "grad_buffer_bytes": sum(b.numel() * b.element_size() for b in self._grad_bufs) if self._copy_mode else 0,
-            "decisions": list(self.decisions),
+            "skip_by": self.skip_by if self.skip else None, "decisions": list(self.decisions),
         }
 
     def release(self, final: bool = False) -> int:

@@ -773,9 +773,11 @@ def test_unsupported_option_falls_back(pg1, dev):
 
 
 def test_without_conditional_nodes_the_skip_needs_eager(pg1, dev, monkeypatch):
+    """No conditional nodes (torch 2.11): a foreach optimizer cannot skip on the
+    device, so the skip falls back to eager; without the skip it captures."""
     monkeypatch.setattr(dev, "supports_if_nodes", lambda: False)
-    m, o = make(0, torch.optim.AdamW, dict(lr=1e-2, fused=True))
-    with pytest.warns(RuntimeWarning, match="conditional CUDA graph nodes.*skip_nonfinite=False"):
+    m, o = make(0, torch.optim.AdamW, dict(lr=1e-2, foreach=True))
+    with pytest.warns(RuntimeWarning, match="conditional CUDA graph nodes.*fused.*skip_nonfinite=False"):
         assert gopt.capture(o, max_norm=1.0).mode == "reference"
     step = gopt.capture(o, max_norm=1.0, skip_nonfinite=False)  # no skip: no conditional node needed
     for s in range(3):
@@ -783,3 +785,16 @@ def test_without_conditional_nodes_the_skip_needs_eager(pg1, dev, monkeypatch):
         step()
         o.zero_grad(set_to_none=False)
     assert graphcomp.counters["optimizer_steps_captured"] == 2 and dev.if_nodes == 0
+
+
+def test_without_conditional_nodes_a_fused_adamw_skips_through_found_inf(pg1, dev, monkeypatch):
+    """No conditional nodes (torch 2.11): a fused AdamW is still captured, and skips a
+    non-finite step on the device through its kernel's found_inf: bitwise the eager
+    reference (lr schedule, a NaN step) after every step."""
+    monkeypatch.setattr(dev, "supports_if_nodes", lambda: False)
+    step, norms, _ = train_pair(torch.optim.AdamW, dict(lr=1e-2, fused=True), groups=True)
+    assert step.skip_by == "found_inf" and step.mode == "captured", step.decisions
+    for got, ref in norms:
+        assert torch.equal(got, ref) or (got.isnan() and ref.isnan())
+    c = graphcomp.counters
+    assert step.sync_counters() == 1 and c["optimizer_steps_captured"] == STEPS - 1 and dev.if_nodes == 0

@@ -129,7 +129,16 @@ def numerics(rank: int, world: int, kind: str, set_to_none: bool = True, micro: 
     c = {k: v for k, v in graphcomp.counters.items() if k.startswith(("optimizer_", "cudagraph_", "captures", "replays"))}
     return {"kind": kind, "set_to_none": set_to_none, "micro": micro, "params_equal": pe, "state_equal": se,
             "norms_equal": norms_equal, "first_bad": first_bad, "counters": c, "stats": step.stats(),
-            "lr_is_float": all(isinstance(g["lr"], float) for g in o.param_groups)}
+            "lr_is_float": all(isinstance(g["lr"], float) for g in o.param_groups),
+            "if_nodes": graphcomp.runtime.RUNTIME.device.supports_if_nodes(), "if_node_probe": _if_probe()}
+
+
+def _if_probe() -> dict:
+    """What decides conditional-node support on this build (for the record)."""
+    cls = getattr(torch.cuda, "CUDAGraph", None)
+    return {"torch_cuda": torch.version.cuda,
+            "python_api": bool(cls is not None and hasattr(cls, "begin_capture_to_if_node")),
+            "c_api": bool(hasattr(torch._C, "_CUDAGraph") and hasattr(torch._C._CUDAGraph, "begin_capture_to_if_node"))}
 
 
 def scenario_numerics(rank, world):
@@ -188,7 +197,7 @@ def scenario_perf(rank, world):
             res[f"{mode}_device_us"] = tail[1][len(tail[1]) // 2] * 1e6
             if step is not None:
                 res["ready_us"] = sorted(ready)[len(ready) // 2] * 1e6
-                res["pool_reserved"] = _pool_reserved(step._pool)
+                res["pool_reserved"] = _pool_reserved(step._pool) if step._pool is not None else 0
                 res["counters"] = {k: v - before.get(k, 0) for k, v in graphcomp.counters.items()
                                    if k.startswith("optimizer_")}
                 res["stats"] = step.stats()

@@ -135,9 +135,10 @@ def test_w2_sized_loss_saves_3_gib_and_records_time():
     """W2 micro-batch (4 x 2048 tokens, vocab 128256, hidden 2048): the pass's
     measured saving of peak memory over a step (forward + backward), >= 3 GiB."""
     off = _measure({"passes": {"chunk_lm_loss": False}})
-    on = _measure({})
-    on_eager = _measure({"loss_chunk_kernels": "eager"})
-    on_2048 = _measure({"loss_chunk_tokens": 2048})  # fewer, larger chunks: the time/memory trade
+    on_ = {"passes": {"chunk_lm_loss": True}}  # (off by default until measured)
+    on = _measure(on_)
+    on_eager = _measure({**on_, "loss_chunk_kernels": "eager"})
+    on_2048 = _measure({**on_, "loss_chunk_tokens": 2048})  # fewer, larger chunks: the time/memory trade
     out = {"off": off, "on_inductor_kernels": on, "on_eager_kernels": on_eager, "on_chunk_2048": on_2048,
            "saved_gib": off["peak_over_steady_gib"] - on["peak_over_steady_gib"],
            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -173,7 +174,7 @@ def test_tiny_llama_with_cuda_graphs_trains_like_the_pass_off():
     """The compiled chunk arithmetic compiles at the warm-up call, so the captured
     piece replays it; nothing falls back to eager."""
     l_off, p_off, _ = _train_tiny({"passes": {"chunk_lm_loss": False}})
-    l_on, p_on, c = _train_tiny({})
+    l_on, p_on, c = _train_tiny({"passes": {"chunk_lm_loss": True}})
     torch.testing.assert_close(l_on, l_off, rtol=1e-5, atol=0)
     for a, b in zip(p_on, p_off):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

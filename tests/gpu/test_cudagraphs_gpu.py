@@ -224,6 +224,9 @@ def _(x):
     return torch.empty_like(x)
 
 
+torch.library.register_autograd("graphcomp_test::host_peek", lambda ctx, g: g * 2)
+
+
 class PeekMLP(torch.nn.Module):
     def __init__(self):
         super().__init__()

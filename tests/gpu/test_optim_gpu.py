@@ -30,6 +30,18 @@ def _ngpu() -> int:
 
 def _check_numerics(r: dict, steps: int = 20) -> None:
     c = r["counters"]
+    if not r.get("if_nodes", True) and r["kind"] == "foreach":
+        # no conditional graph nodes in this torch (2.11): a foreach optimizer cannot skip on
+        # the device, so the step runs torch's eager clip + step (one warning, one count)
+        checks = {
+            "parameters bitwise equal to eager": r["params_equal"],
+            "optimizer state bitwise equal to eager": r["state_equal"],
+            "norms bitwise equal to eager clip_grad_norm_": r["norms_equal"],
+            "one fallback, recorded": c.get("optimizer_fallbacks", 0) == 1 and r["stats"]["mode"] == "reference",
+        }
+        failed = [k for k, ok in checks.items() if not ok]
+        assert not failed, (failed, r)
+        return
     checks = {
         "parameters bitwise equal to eager": r["params_equal"],
         "optimizer state bitwise equal to eager": r["state_equal"],
@@ -99,7 +111,8 @@ def test_w1_host_time_and_pool_memory(tmp_path):
     if _ngpu() < 1:
         pytest.skip("needs a GPU")
     (r,) = _torchrun(1, "perf", tmp_path, timeout=600)
-    for kind in ("fused", "foreach"):
+    kinds = ("fused", "foreach") if r["fused"].get("stats", {}).get("skip_by") != "found_inf" else ("fused",)
+    for kind in kinds:  # (no conditional nodes: foreach runs eagerly, see _check_numerics)
         x = r[kind]
         assert x["counters"].get("optimizer_captures", 0) == 1, x
         assert x["captured_host_us"] < 0.5 * x["eager_host_us"], x
