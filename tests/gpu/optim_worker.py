@@ -85,7 +85,9 @@ def _same(m, o, rm, ro):
     se = True
     for a, b in zip(m.parameters(), rm.parameters()):
         sa, sb = o.state[a], ro.state[b]
-        se &= sa.keys() == sb.keys() and all(torch.equal(_local(sa[k]), _local(sb[k])) for k in sa)
+        # (a fallback keeps the user's optimizer as built: its step counts may live on the host)
+        se &= sa.keys() == sb.keys() and all(torch.equal(_local(sa[k]).to(_local(sb[k]).device), _local(sb[k]))
+                                             for k in sa)
     return pe, se
 
 
