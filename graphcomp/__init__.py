@@ -87,5 +87,6 @@ def backend(gm, example_inputs, **kwargs):  # noqa: ANN001 - Dynamo's backend si
 _log = _logging.getLogger("graphcomp")
 if _env.log_level():
     _log.setLevel(_env.log_level())
+_compat.graph_logger()  # registers the "graphcomp_graphs" artifact of torch._logging.set_logs
 
 __all__ = ["Config", "backend", "counters", "optim", "reset", "shard", "__version__"]
