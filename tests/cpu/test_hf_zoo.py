@@ -184,11 +184,16 @@ def test_moe_eager_experts_loop_with_routing_that_differs_per_rank(ranks2, compi
 # --------------------------------------------- CUDA-graph steady state (stand-in device)
 @pytest.fixture
 def world1():
+    """A one-process gloo group for this test, destroyed afterwards (a group left
+    behind would make other tests' in-process groups impossible)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
+    assert not dist.is_initialized(), "a process group leaked from an earlier test"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture
