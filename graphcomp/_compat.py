@@ -442,12 +442,21 @@ def nested_tracing_context(fake_mode: Any) -> Iterator[Any]:
 
 
 _DESTROY_WRAPPED = False
+_BEFORE_DESTROY: list[Callable[[], Any]] = []  # set by graphcomp.runtime (this module imports nothing of graphcomp)
+
+
+def before_destroy_process_group(fn: Callable[[], Any]) -> None:
+    """Register ``fn`` to run before ``torch.distributed.destroy_process_group``
+    once it is wrapped (:func:`wrap_destroy_process_group`): the runtime's teardown."""
+    if fn not in _BEFORE_DESTROY:
+        _BEFORE_DESTROY.append(fn)
 
 
 def wrap_destroy_process_group() -> bool:
-    """Patch ``torch.distributed.destroy_process_group`` once so it releases
-    graphcomp's CUDA graphs first (graphs holding NCCL work hang the destroy).
-    Idempotent; returns True when the patch is (now) in place."""
+    """Patch ``torch.distributed.destroy_process_group`` once so it runs the
+    registered callbacks first (the runtime releases graphcomp's CUDA graphs: graphs
+    holding NCCL work hang the destroy). Idempotent; returns True when the patch is
+    (now) in place."""
     global _DESTROY_WRAPPED
     if _DESTROY_WRAPPED:
         return True
@@ -463,9 +472,8 @@ def wrap_destroy_process_group() -> bool:
 
     @functools.wraps(orig)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        from .runtime import teardown
-
-        teardown()
+        for fn in list(_BEFORE_DESTROY):
+            fn()
         return orig(*args, **kwargs)
 
     destroy_process_group._graphcomp_wrapped = True  # type: ignore[attr-defined]

@@ -6,3 +6,31 @@ from __future__ import annotations
 class CudaGraphsRequired(RuntimeError):
     """``Config.cudagraphs="require"`` and a piece cannot be captured: the message
     names the piece (stage/piece_<i>) and the reason."""
+
+
+class StaticAddressError(RuntimeError):
+    """A parameter/buffer input of a captured piece moved since capture (the message
+    names the input and the fix)."""
+
+
+class CaptureFailed(Exception):
+    """Warm-up or the trial capture of a piece raised (its ``__cause__``); the
+    call's inputs are intact."""
+
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        super().__init__(f"{phase}: {cause}")
+        self.phase = phase
+
+
+def failing_source(e: BaseException | None) -> str | None:
+    """The innermost traceback frame of ``e`` outside torch's own files (the
+    generated piece code or the op that raised), as ``file:line``."""
+    import traceback
+
+    if e is None or e.__traceback__ is None:
+        return None
+    frames = traceback.extract_tb(e.__traceback__)
+    for f in reversed(frames):
+        if "/torch/" not in f.filename or "torchinductor" in f.filename:
+            return f"{f.filename}:{f.lineno} ({f.line.strip() if f.line else f.name})"
+    return None

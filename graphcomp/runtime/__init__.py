@@ -7,6 +7,13 @@
   and from ``destroy_process_group`` once graphcomp captured a graph
   (``graphcomp._compat.wrap_destroy_process_group``).
 * :func:`reset` -- teardown and forget runners, pool and stream (tests).
+
+Modules, by concept: ``manager`` (the one owned ``RUNTIME``: pool, stream, runners,
+teardown), ``device`` (the CUDA seam the CPU tests replace), ``pool`` (captures, the
+outputs they hand out, the ledger of what a replay may overwrite), ``runner`` (one
+compiled piece: decide replay / capture / eager, then act), ``static`` (input kinds
+and layout-exact static buffers), ``codegen`` (compile a split graph's pieces and
+run its glue).
 """
 
 from .manager import RUNTIME, check_nccl_env, is_capturing, nccl_env_problem, reset, teardown

@@ -31,193 +31,13 @@ from typing import Any
 
 import torch
 
+from .device import CudaDevice
+from .pool import PoolLedger
+
 log = logging.getLogger(__name__)
 
-
-class CudaDevice:
-    """The CUDA calls the runner makes, in one place (tests swap in a CPU stand-in)."""
-
-    def pool_handle(self) -> Any:
-        return torch.cuda.graph_pool_handle()
-
-    def new_stream(self) -> Any:
-        return torch.cuda.Stream()
-
-    def current_stream(self) -> Any:
-        return torch.cuda.current_stream()
-
-    def wait(self, waiter: Any, on: Any) -> None:
-        waiter.wait_stream(on)
-
-    def stream(self, s: Any) -> Any:
-        return torch.cuda.stream(s)
-
-    def new_graph(self) -> Any:
-        return torch.cuda.CUDAGraph()
-
-    def capture(self, g: Any, pool: Any, stream: Any, fn: Any, inputs: list[Any], replay_inputs: list[Any]) -> Any:
-        """Capture ``fn(inputs)`` into ``g`` on ``stream`` in ``pool``; returns its
-        outputs. ``fn`` consumes ``inputs`` (boxed). ``replay_inputs`` is the
-        runner's static input list (a CUDA graph reads addresses, not this list).
-        As ``torch.cuda.graph`` (synchronize and free cached blocks first), except
-        that a failure always ends the capture and restores the current stream, so
-        the process stays usable for eager execution."""
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        with torch.cuda.stream(stream):
-            g.capture_begin(pool=pool)
-            try:
-                out = fn(inputs)
-            except BaseException:
-                try:
-                    g.capture_end()
-                except Exception:  # noqa: BLE001 - the capture is invalid anyway
-                    pass
-                raise
-            g.capture_end()
-        return out
-
-    def trial_capture(self, stream: Any, fn: Any, inputs: list[Any]) -> None:
-        """Capture ``fn`` on a copy of ``inputs`` (nothing consumed) into a
-        throwaway graph and pool, instantiate and replay it once, then free it all:
-        whatever capture, instantiation or the first replay would raise, raises here
-        while the caller still holds every input (it can run the call eagerly).
-        Costs one more run of the piece and a capture, at capture time only."""
-        g = torch.cuda.CUDAGraph()
-        outs = self.capture(g, torch.cuda.graph_pool_handle(), stream, fn, list(inputs), [])
-        with torch.cuda.stream(stream):
-            g.replay()
-        stream.synchronize()
-        del outs
-        g.reset()
-        del g
-        torch.cuda.empty_cache()
-
-    def pin_pool(self, pool: Any) -> Any:
-        from .. import _compat
-
-        dev = torch.cuda.current_device()
-        _compat.pin_pool(dev, pool)
-        return dev
-
-    def unpin_pool(self, pool: Any, token: Any) -> None:
-        from .. import _compat
-
-        _compat.unpin_pool(token, pool)
-
-    def synchronize(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def available(self) -> bool:
-        return torch.cuda.is_available()
-
-    device_type = "cuda"
-    """The tensors' device type graphs are captured for (a stand-in device says "cpu")."""
-
-    def supports_if_nodes(self) -> bool:
-        """Whether a capture can contain a conditional (IF) node (CUDA >= 12.4)."""
-        from .. import _compat
-
-        return _compat.cuda_graph_if_supported()
-
-    def run_if(self, g: Any, pred: Any, fn: Any) -> None:
-        """Inside the capture of ``g``: capture ``fn()`` into an IF node that runs
-        at replay only while ``pred`` (a 0-dim bool device tensor) is true."""
-        from .. import _compat
-
-        with _compat.cuda_graph_if(g, pred):
-            fn()
-
-
-class PoolLedger:
-    """Which pool tensors are handed out, and who may overwrite them.
-
-    Every capture gets a sequence number (``seq``) in capture order. A graph's
-    replay writes only pool memory that was free while it was captured; memory
-    of tensors that were alive then is never touched. So a replay of capture ``c``
-    can overwrite
-
-    * the outputs of captures with ``seq >= c`` (itself included: its own previous
-      outputs): their memory may have been free while ``c`` was captured;
-    * released outputs (``runner._Released``: internal outputs the runner does not
-      keep) of older captures whose capture-time tensor had died by the end of
-      ``c``'s capture call (``c.overwrites``): ``c`` may have reused that memory. A
-      tensor passed to the very call (a saved activation the backward consumes) is
-      overwritten only after its last read, as in the capture: not a conflict.
-
-    ``entries`` are the captures (and ``orphans``: released captures whose outputs
-    a user still holds) whose handed-out outputs have not yet been seen dead;
-    ``conflicts`` lists the live ones a replay would overwrite."""
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.entries: list[Any] = []
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    def handed_out(self, cap: Any) -> None:
-        if (cap.tracked or cap.released) and cap not in self.entries:
-            self.entries.append(cap)
-
-    def conflicts(self, cap: Any, consumed: set[int]) -> list[tuple[Any, list[int]]]:
-        """(capture, live output indices) a replay of ``cap`` would overwrite;
-        forgets captures whose outputs are all dead. ``consumed``: storage pointers of
-        the tensors passed to this call."""
-        out, keep = [], []
-        for c in self.entries:
-            if c.seq < cap.seq and not c.orphan and not c.released:
-                keep.append(c)  # owned outputs of an older capture: never in this replay's way
-                continue
-            alive = c.alive_outputs()
-            if not alive:
-                c.orphan_done()
-                continue
-            keep.append(c)
-            if c.seq >= cap.seq:
-                out.append((c, alive))
-                continue
-            hit = cap.overwrites.get(c)
-            if hit:
-                bad = [i for i in alive if c.released_outs.get(i) in hit and c.released_outs[i] not in consumed]
-                if bad:
-                    out.append((c, bad))
-        self.entries = keep
-        return out
-
-    def unsafe(self) -> list[Any]:
-        """Captures with a released output still referenced over memory the allocator
-        counts as free (no capture may run while there is one)."""
-        return [c for c in self.entries if c.released and c.unsafe_storages()]
-
-    def freed_storages(self, cap: Any, captures: list[Any]) -> "weakref.WeakKeyDictionary[Any, set[int]]":
-        """Released storages of ``captures`` (but ``cap``) whose capture-time tensor is
-        dead now (called at the end of ``cap``'s capture call: ``cap`` may have reused them)."""
-        out: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
-        for c in captures:
-            if c is cap or not c.released:
-                continue
-            dead = {k for k, r in c.released.items() if not r.owner_alive()}
-            if dead:
-                out[c] = dead
-        return out
-
-    def forget(self, cap: Any, keep_if_alive: bool) -> bool:
-        """A capture is released. Its outputs a user still holds stay tracked (an
-        orphan: older pieces' replays must not overwrite them; dropped once dead)
-        unless ``keep_if_alive`` is False (teardown). True when it stays tracked."""
-        if cap in self.entries:
-            if keep_if_alive and cap.alive_outputs():
-                return True
-            self.entries.remove(cap)
-        return False
-
-    def clear(self) -> None:
-        for cap in self.entries:
-            cap.orphan_done()
-        self.entries = []
+__all__ = ["RUNTIME", "CudaDevice", "PoolLedger", "Runtime", "check_nccl_env", "is_capturing",
+           "nccl_env_problem", "reset", "teardown"]
 
 
 class Runtime:
@@ -353,6 +173,22 @@ class Runtime:
 
 RUNTIME = Runtime()
 _ATEXIT_REGISTERED = False
+
+
+def _teardown_before_destroy() -> None:
+    # looked up at call time: graphcomp.runtime.teardown (tests replace it)
+    import graphcomp.runtime as _rt
+
+    _rt.teardown()
+
+
+def _register_destroy_hook() -> None:
+    from .. import _compat
+
+    _compat.before_destroy_process_group(_teardown_before_destroy)
+
+
+_register_destroy_hook()
 
 
 def is_capturing() -> bool:

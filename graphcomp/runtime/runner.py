@@ -54,19 +54,17 @@ from typing import Any
 
 import torch
 
-from ..errors import CudaGraphsRequired
+from ..errors import CaptureFailed as _CaptureFailed
+from ..errors import CudaGraphsRequired, StaticAddressError, failing_source as _failing_source
 from ..state import STATE
 from .manager import RUNTIME
+from .pool import Capture, Released, _storage_id, _storage_ptr  # noqa: F401 (Released: for tests)
 from .static import memory_of, static_buffer
 
 log = logging.getLogger(__name__)
 
 WARMUP_ITERS = 2
 REENTRY_LIMIT = 3  # a piece that falls back this often turns eager for good (see CudaGraphRunner._miss)
-
-
-class StaticAddressError(RuntimeError):
-    pass
 
 
 def signature(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -79,172 +77,6 @@ def signature(args: Sequence[Any]) -> tuple[Any, ...]:
         else:
             sig.append(("s", type(a).__name__, repr(a)))
     return tuple(sig)
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    """The StorageImpl's identity (not its address: an input freed inside a capture
-    leaves its address to a new buffer, which is not an alias of that input)."""
-    return int(t.untyped_storage()._cdata)
-
-
-class _Released:
-    """One pool storage of internal outputs the runner hands out without keeping."""
-
-    __slots__ = ("ptr", "nbytes", "device", "owner", "recon", "idxs", "views")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        from .. import _compat
-
-        st = t.untyped_storage()
-        self.ptr, self.nbytes, self.device = st.data_ptr(), st.nbytes(), t.device
-        self.owner = _compat.storage_weakref(t)  # the tensor the capture allocated (owns the block)
-        self.recon: Any = None  # the storage of the latest replay's tensors (owns nothing)
-        self.idxs: list[int] = []  # the output indices on this storage, and their views:
-        self.views: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []  # (offset, size, stride, dtype)
-
-    def owner_alive(self) -> bool:
-        return self.owner is not None and not self.owner.expired()
-
-    def recon_alive(self) -> bool:
-        return self.recon is not None and not self.recon.expired()
-
-    def alive(self) -> bool:
-        return self.owner_alive() or self.recon_alive()
-
-    def unsafe(self) -> bool:
-        """Held by a user while the allocator counts its memory as free."""
-        return self.recon_alive() and not self.owner_alive()
-
-
-class _Capture:
-    def __init__(self, runner: "CudaGraphRunner") -> None:
-        self.runner = weakref.ref(runner)
-        self.seq = RUNTIME.ledger.next_seq()  # capture order (see PoolLedger)
-        self.graph: Any = None
-        self.inputs: list[Any] = []  # static input objects (buffers for "copy" inputs)
-        self.bases: dict[int, torch.Tensor] = {}  # input index -> flat memory of its static buffer ("copy")
-        # outputs that are views of a (non-copied) input: output index -> (input index,
-        # storage_offset, size, stride, dtype), rebuilt from that call's input
-        self.alias: dict[int, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
-        self.ptrs: list[int | None] = []  # captured data_ptr per tensor input
-        self.outputs: list[Any] = []  # None at released output indices
-        # per pool storage the owned outputs live in: (storage handle, use count with
-        # only the runner's references, output indices on it)
-        self.tracked: list[tuple[int, int, list[int]]] = []
-        # released outputs: storage ptr -> _Released; output index -> its storage ptr
-        self.released: dict[int, _Released] = {}
-        self.released_outs: dict[int, int] = {}
-        self.first: dict[int, torch.Tensor] | None = None  # the capture's own released tensors, handed out once
-        # released storages of other captures this one may overwrite (freed by the end of its capture call)
-        self.overwrites: "weakref.WeakKeyDictionary[_Capture, set[int]]" = weakref.WeakKeyDictionary()
-        self.replays = 0
-        self.orphan = False  # released, but a user still holds some of its outputs
-
-    def track_outputs(self, exclude_storages: set[int]) -> None:
-        """Track the kept outputs, except those on ``exclude_storages`` (storage ids)."""
-        from .. import _compat
-
-        by_storage: dict[int, list[int]] = {}
-        for i, o in enumerate(self.outputs):
-            if isinstance(o, torch.Tensor) and _storage_id(o) not in exclude_storages:
-                by_storage.setdefault(_compat.storage_handle(o), []).append(i)
-        self.tracked = [(h, _compat.storage_refs(h), idxs) for h, idxs in by_storage.items()]
-
-    def release_outputs(self, outs: list[Any], visible: set[int], inputs: dict[int, int], buffers: set[int]) -> None:
-        """Split the capture's outputs: internal pool tensors are released (handed
-        out once as they are, then rebuilt on each replay); views of a non-copied
-        input (``inputs``: storage id -> input index; a parameter, a saved
-        activation, another piece's output) are rebuilt from that call's input and
-        never held (holding one would keep the producing piece's output alive: its
-        next replay would see it "still referenced"); the rest is kept (visible
-        outputs, aliases of our own static buffers, ``buffers``: tracked)."""
-        keep_st = {_storage_id(o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i in visible}
-        keep_st |= buffers
-        first = {}
-        for i, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor):
-                continue
-            src = inputs.get(_storage_id(o))
-            if src is not None:
-                self.alias[i] = (src, o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype)
-                continue
-            if i in visible or _storage_id(o) in keep_st:
-                continue
-            key = _storage_ptr(o)
-            rel = self.released.get(key)
-            if rel is None:
-                rel = self.released[key] = _Released(o)
-            rel.idxs.append(i)
-            rel.views.append((o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype))
-            self.released_outs[i] = key
-            first[i] = o
-        self.first = {**first, **{i: outs[i] for i in self.alias}}
-        self.outputs = [None if i in first or i in self.alias else o for i, o in enumerate(outs)]
-        self.track_outputs(set(inputs))
-
-    def aliases(self, args: Sequence[Any]) -> dict[int, torch.Tensor]:
-        """The outputs that are views of this call's inputs, rebuilt on them."""
-        out = {}
-        for i, (src, off, size, stride, dt) in self.alias.items():
-            a = args[src]
-            out[i] = torch.empty((0,), dtype=dt, device=a.device).set_(a.untyped_storage(), off, size, stride)
-        return out
-
-    def handout_released(self) -> dict[int, torch.Tensor]:
-        """Released outputs for this call: the capture's own tensors the first time,
-        then tensors rebuilt on the same pool memory (owning nothing)."""
-        if self.first is not None:
-            first, self.first = self.first, None
-            return first
-        from .. import _compat
-
-        out: dict[int, torch.Tensor] = {}
-        for rel in self.released.values():
-            ts = _compat.pool_tensors(rel.ptr, rel.nbytes, rel.device, rel.views)
-            rel.recon = _compat.storage_weakref(ts[0])
-            out.update(zip(rel.idxs, ts))
-        return out
-
-    def alive_outputs(self) -> list[int]:
-        """Indices of handed-out outputs something outside the runner still holds."""
-        from .. import _compat
-
-        alive = [i for h, base, idxs in self.tracked if _compat.storage_refs(h) > base for i in idxs]
-        for rel in self.released.values():
-            if rel.alive():
-                alive += rel.idxs
-        return alive
-
-    def unsafe_storages(self) -> list[int]:
-        return [k for k, r in self.released.items() if r.unsafe()]
-
-    def orphan_done(self) -> None:
-        """The ledger stopped tracking this capture; an orphan drops what it kept."""
-        if self.orphan:
-            self.outputs, self.tracked, self.orphan = [], [], False
-
-    def release(self, keep_live_outputs: bool = True) -> None:
-        if self.graph is not None:
-            try:
-                self.graph.reset()
-            except Exception:  # pragma: no cover
-                pass
-        self.graph = None
-        self.inputs = []
-        self.first = None
-        if RUNTIME.ledger.forget(self, keep_live_outputs):
-            # an orphan: keep only the storages a user still holds (their handles must
-            # stay valid until they die); every other pool output is freed now
-            self.orphan = True
-            alive = set(self.alive_outputs())
-            self.tracked = [t for t in self.tracked if alive.intersection(t[2])]
-            self.outputs = [o if i in alive else None for i, o in enumerate(self.outputs)]
-        else:
-            self.outputs, self.tracked = [], []
 
 
 class CudaGraphRunner:
@@ -282,7 +114,7 @@ class CudaGraphRunner:
         self.check_always = check_static_inputs == "always"
         self.recapture = on_address_change == "recapture"
         self.input_names = list(input_names) if input_names else [f"input {i}" for i in range(len(self.kinds))]
-        self.captures: dict[tuple[Any, ...], _Capture] = {}
+        self.captures: dict[tuple[Any, ...], Capture] = {}
         self._warned: set[str] = set()
         self._static_slots: list[int] = []
         # the piece's row in the frame summary (graphcomp inspect): captures, pool bytes
@@ -348,7 +180,7 @@ class CudaGraphRunner:
             self.release()
             STATE.counters["recaptures"] += 1
 
-    def _capture(self, args: list[Any]) -> _Capture:
+    def _capture(self, args: list[Any]) -> Capture:
         """Warm up, trial-capture, then capture on ``args``, which the real capture
         consumes (clears): an input the piece frees after its last use (a saved
         activation) is freed in the capture, so the graph's own buffers may reuse
@@ -356,7 +188,7 @@ class CudaGraphRunner:
         held: a failure there raises :class:`_CaptureFailed` with ``args`` intact (the
         caller runs the call eagerly)."""
         self._classify_at_capture(args)
-        cap = _Capture(self)
+        cap = Capture(self, RUNTIME.ledger)
         static_in: list[Any] = []
         for i, kind in enumerate(self.kinds):
             a = args[i]
@@ -499,7 +331,7 @@ class CudaGraphRunner:
             return
         self._warn(key, msg)
 
-    def _check_static(self, cap: _Capture, args: Sequence[Any]) -> tuple[str | None, list[int]]:
+    def _check_static(self, cap: Capture, args: Sequence[Any]) -> tuple[str | None, list[int]]:
         """(None, []) when every static address matches; ("demote", slots) when
         saved activations / piece outputs arrived at new addresses (those slots
         become copied inputs); ("recapture", [i]) or a raise for parameters."""
@@ -527,7 +359,7 @@ class CudaGraphRunner:
             moved.append(i)
         return ("demote", moved) if moved else (None, [])
 
-    def _hazard(self, cap: _Capture, args: list[Any]) -> str | None:
+    def _hazard(self, cap: Capture, args: list[Any]) -> str | None:
         """None when replaying ``cap`` overwrites nothing still referenced; else
         "eager" (its own internal outputs are alive, or a released output in memory it
         was captured over) or "recapture" (see the module docstring; visible outputs
@@ -600,7 +432,7 @@ class CudaGraphRunner:
                 out.append(o.detach())
         return tuple(out)
 
-    def _decide(self, args: list[Any]) -> tuple[_Capture | None, bool]:
+    def _decide(self, args: list[Any]) -> tuple[Capture | None, bool]:
         """(capture to replay, whether it was captured by this call), or (None, _)
         when this call runs eagerly (the reason is logged and counted)."""
         sig = signature(args)
@@ -640,7 +472,7 @@ class CudaGraphRunner:
         return cap, False
 
     def _new_capture(self, sig: tuple[Any, ...], args: list[Any], why: str | None,
-                     slots: Sequence[int] = ()) -> tuple[_Capture | None, bool]:
+                     slots: Sequence[int] = ()) -> tuple[Capture | None, bool]:
         """Capture for ``sig`` (``why``: None for a new signature, else what forces a
         re-capture); (None, False) when this call must run eagerly instead."""
         if self._blocked():
@@ -663,29 +495,6 @@ class CudaGraphRunner:
             return None, False
         self.captures[sig] = cap
         return cap, True
-
-
-class _CaptureFailed(Exception):
-    """Warm-up or the trial capture of a piece raised (its ``__cause__``); the
-    call's inputs are intact."""
-
-    def __init__(self, phase: str, cause: BaseException) -> None:
-        super().__init__(f"{phase}: {cause}")
-        self.phase = phase
-
-
-def _failing_source(e: BaseException | None) -> str | None:
-    """The innermost traceback frame of ``e`` outside torch's own files (the
-    generated piece code or the op that raised), as ``file:line``."""
-    import traceback
-
-    if e is None or e.__traceback__ is None:
-        return None
-    frames = traceback.extract_tb(e.__traceback__)
-    for f in reversed(frames):
-        if "/torch/" not in f.filename or "torchinductor" in f.filename:
-            return f"{f.filename}:{f.lineno} ({f.line.strip() if f.line else f.name})"
-    return None
 
 
 class EagerPiece:

@@ -233,6 +233,7 @@ def test_wrap_destroy_process_group_tears_down_first(monkeypatch):
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
     monkeypatch.setattr(runtime, "teardown", lambda: calls.append("teardown") or 0)
     monkeypatch.setattr(compat, "_DESTROY_WRAPPED", False)
+    manager._register_destroy_hook()  # (the reload emptied _compat's registry; the runtime registers its teardown)
     assert compat.wrap_destroy_process_group()
     assert compat.wrap_destroy_process_group()  # idempotent
     dist.destroy_process_group()

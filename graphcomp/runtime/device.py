@@ -1,0 +1,109 @@
+"""The CUDA calls the CUDA-graph runtime makes, in one seam (``CudaDevice``).
+
+The runtime never calls ``torch.cuda`` for graphs, pools or streams directly: it
+goes through ``RUNTIME.device``, an instance of :class:`CudaDevice`. The CPU tests
+replace it with a stand-in that runs the captured function at every "replay"
+(tests/cpu/_fakecuda.py), which is how the runner's decisions are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class CudaDevice:
+    """The CUDA calls the runner makes, in one place (tests swap in a CPU stand-in)."""
+
+    def pool_handle(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream()
+
+    def wait(self, waiter: Any, on: Any) -> None:
+        waiter.wait_stream(on)
+
+    def stream(self, s: Any) -> Any:
+        return torch.cuda.stream(s)
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, g: Any, pool: Any, stream: Any, fn: Any, inputs: list[Any], replay_inputs: list[Any]) -> Any:
+        """Capture ``fn(inputs)`` into ``g`` on ``stream`` in ``pool``; returns its
+        outputs. ``fn`` consumes ``inputs`` (boxed). ``replay_inputs`` is the
+        runner's static input list (a CUDA graph reads addresses, not this list).
+        As ``torch.cuda.graph`` (synchronize and free cached blocks first), except
+        that a failure always ends the capture and restores the current stream, so
+        the process stays usable for eager execution."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        with torch.cuda.stream(stream):
+            g.capture_begin(pool=pool)
+            try:
+                out = fn(inputs)
+            except BaseException:
+                try:
+                    g.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is invalid anyway
+                    pass
+                raise
+            g.capture_end()
+        return out
+
+    def trial_capture(self, stream: Any, fn: Any, inputs: list[Any]) -> None:
+        """Capture ``fn`` on a copy of ``inputs`` (nothing consumed) into a
+        throwaway graph and pool, instantiate and replay it once, then free it all:
+        whatever capture, instantiation or the first replay would raise, raises here
+        while the caller still holds every input (it can run the call eagerly).
+        Costs one more run of the piece and a capture, at capture time only."""
+        g = torch.cuda.CUDAGraph()
+        outs = self.capture(g, torch.cuda.graph_pool_handle(), stream, fn, list(inputs), [])
+        with torch.cuda.stream(stream):
+            g.replay()
+        stream.synchronize()
+        del outs
+        g.reset()
+        del g
+        torch.cuda.empty_cache()
+
+    def pin_pool(self, pool: Any) -> Any:
+        from .. import _compat
+
+        dev = torch.cuda.current_device()
+        _compat.pin_pool(dev, pool)
+        return dev
+
+    def unpin_pool(self, pool: Any, token: Any) -> None:
+        from .. import _compat
+
+        _compat.unpin_pool(token, pool)
+
+    def synchronize(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    device_type = "cuda"
+    """The tensors' device type graphs are captured for (a stand-in device says "cpu")."""
+
+    def supports_if_nodes(self) -> bool:
+        """Whether a capture can contain a conditional (IF) node (CUDA >= 12.4)."""
+        from .. import _compat
+
+        return _compat.cuda_graph_if_supported()
+
+    def run_if(self, g: Any, pred: Any, fn: Any) -> None:
+        """Inside the capture of ``g``: capture ``fn()`` into an IF node that runs
+        at replay only while ``pred`` (a 0-dim bool device tensor) is true."""
+        from .. import _compat
+
+        with _compat.cuda_graph_if(g, pred):
+            fn()

@@ -1,0 +1,275 @@
+"""The shared CUDA-graph pool: captures, the outputs they hand out, and the ledger.
+
+Every graph graphcomp captures for a compiled piece allocates from one memory pool
+(the runtime's ``pool``). A capture (:class:`Capture`) remembers its graph, its static
+inputs and the outputs it handed out; internal outputs are *released*
+(:class:`Released`: handed out without the runner keeping them, rebuilt on the same
+pool memory each replay). The :class:`PoolLedger` numbers captures in capture order
+and knows, before every replay, which handed-out tensors that replay could overwrite
+(see its docstring). The runner (``runner.py``) decides when to capture, replay or
+run eagerly; this module only answers what a replay would overwrite.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+
+class PoolLedger:
+    """Which pool tensors are handed out, and who may overwrite them.
+
+    Every capture gets a sequence number (``seq``) in capture order. A graph's
+    replay writes only pool memory that was free while it was captured; memory
+    of tensors that were alive then is never touched. So a replay of capture ``c``
+    can overwrite
+
+    * the outputs of captures with ``seq >= c`` (itself included: its own previous
+      outputs): their memory may have been free while ``c`` was captured;
+    * released outputs (``runner.Released``: internal outputs the runner does not
+      keep) of older captures whose capture-time tensor had died by the end of
+      ``c``'s capture call (``c.overwrites``): ``c`` may have reused that memory. A
+      tensor passed to the very call (a saved activation the backward consumes) is
+      overwritten only after its last read, as in the capture: not a conflict.
+
+    ``entries`` are the captures (and ``orphans``: released captures whose outputs
+    a user still holds) whose handed-out outputs have not yet been seen dead;
+    ``conflicts`` lists the live ones a replay would overwrite."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.entries: list[Any] = []
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def handed_out(self, cap: Any) -> None:
+        if (cap.tracked or cap.released) and cap not in self.entries:
+            self.entries.append(cap)
+
+    def conflicts(self, cap: Any, consumed: set[int]) -> list[tuple[Any, list[int]]]:
+        """(capture, live output indices) a replay of ``cap`` would overwrite;
+        forgets captures whose outputs are all dead. ``consumed``: storage pointers of
+        the tensors passed to this call."""
+        out, keep = [], []
+        for c in self.entries:
+            if c.seq < cap.seq and not c.orphan and not c.released:
+                keep.append(c)  # owned outputs of an older capture: never in this replay's way
+                continue
+            alive = c.alive_outputs()
+            if not alive:
+                c.orphan_done()
+                continue
+            keep.append(c)
+            if c.seq >= cap.seq:
+                out.append((c, alive))
+                continue
+            hit = cap.overwrites.get(c)
+            if hit:
+                bad = [i for i in alive if c.released_outs.get(i) in hit and c.released_outs[i] not in consumed]
+                if bad:
+                    out.append((c, bad))
+        self.entries = keep
+        return out
+
+    def unsafe(self) -> list[Any]:
+        """Captures with a released output still referenced over memory the allocator
+        counts as free (no capture may run while there is one)."""
+        return [c for c in self.entries if c.released and c.unsafe_storages()]
+
+    def freed_storages(self, cap: Any, captures: list[Any]) -> "weakref.WeakKeyDictionary[Any, set[int]]":
+        """Released storages of ``captures`` (but ``cap``) whose capture-time tensor is
+        dead now (called at the end of ``cap``'s capture call: ``cap`` may have reused them)."""
+        out: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
+        for c in captures:
+            if c is cap or not c.released:
+                continue
+            dead = {k for k, r in c.released.items() if not r.owner_alive()}
+            if dead:
+                out[c] = dead
+        return out
+
+    def forget(self, cap: Any, keep_if_alive: bool) -> bool:
+        """A capture is released. Its outputs a user still holds stay tracked (an
+        orphan: older pieces' replays must not overwrite them; dropped once dead)
+        unless ``keep_if_alive`` is False (teardown). True when it stays tracked."""
+        if cap in self.entries:
+            if keep_if_alive and cap.alive_outputs():
+                return True
+            self.entries.remove(cap)
+        return False
+
+    def clear(self) -> None:
+        for cap in self.entries:
+            cap.orphan_done()
+        self.entries = []
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """The StorageImpl's identity (not its address: an input freed inside a capture
+    leaves its address to a new buffer, which is not an alias of that input)."""
+    return int(t.untyped_storage()._cdata)
+
+
+class Released:
+    """One pool storage of internal outputs the runner hands out without keeping."""
+
+    __slots__ = ("ptr", "nbytes", "device", "owner", "recon", "idxs", "views")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        from .. import _compat
+
+        st = t.untyped_storage()
+        self.ptr, self.nbytes, self.device = st.data_ptr(), st.nbytes(), t.device
+        self.owner = _compat.storage_weakref(t)  # the tensor the capture allocated (owns the block)
+        self.recon: Any = None  # the storage of the latest replay's tensors (owns nothing)
+        self.idxs: list[int] = []  # the output indices on this storage, and their views:
+        self.views: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []  # (offset, size, stride, dtype)
+
+    def owner_alive(self) -> bool:
+        return self.owner is not None and not self.owner.expired()
+
+    def recon_alive(self) -> bool:
+        return self.recon is not None and not self.recon.expired()
+
+    def alive(self) -> bool:
+        return self.owner_alive() or self.recon_alive()
+
+    def unsafe(self) -> bool:
+        """Held by a user while the allocator counts its memory as free."""
+        return self.recon_alive() and not self.owner_alive()
+
+
+class Capture:
+    def __init__(self, runner: Any, ledger: "PoolLedger") -> None:
+        self.runner = weakref.ref(runner)
+        self.ledger = ledger
+        self.seq = ledger.next_seq()  # capture order (see PoolLedger)
+        self.graph: Any = None
+        self.inputs: list[Any] = []  # static input objects (buffers for "copy" inputs)
+        self.bases: dict[int, torch.Tensor] = {}  # input index -> flat memory of its static buffer ("copy")
+        # outputs that are views of a (non-copied) input: output index -> (input index,
+        # storage_offset, size, stride, dtype), rebuilt from that call's input
+        self.alias: dict[int, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
+        self.ptrs: list[int | None] = []  # captured data_ptr per tensor input
+        self.outputs: list[Any] = []  # None at released output indices
+        # per pool storage the owned outputs live in: (storage handle, use count with
+        # only the runner's references, output indices on it)
+        self.tracked: list[tuple[int, int, list[int]]] = []
+        # released outputs: storage ptr -> Released; output index -> its storage ptr
+        self.released: dict[int, Released] = {}
+        self.released_outs: dict[int, int] = {}
+        self.first: dict[int, torch.Tensor] | None = None  # the capture's own released tensors, handed out once
+        # released storages of other captures this one may overwrite (freed by the end of its capture call)
+        self.overwrites: "weakref.WeakKeyDictionary[Capture, set[int]]" = weakref.WeakKeyDictionary()
+        self.replays = 0
+        self.orphan = False  # released, but a user still holds some of its outputs
+
+    def track_outputs(self, exclude_storages: set[int]) -> None:
+        """Track the kept outputs, except those on ``exclude_storages`` (storage ids)."""
+        from .. import _compat
+
+        by_storage: dict[int, list[int]] = {}
+        for i, o in enumerate(self.outputs):
+            if isinstance(o, torch.Tensor) and _storage_id(o) not in exclude_storages:
+                by_storage.setdefault(_compat.storage_handle(o), []).append(i)
+        self.tracked = [(h, _compat.storage_refs(h), idxs) for h, idxs in by_storage.items()]
+
+    def release_outputs(self, outs: list[Any], visible: set[int], inputs: dict[int, int], buffers: set[int]) -> None:
+        """Split the capture's outputs: internal pool tensors are released (handed
+        out once as they are, then rebuilt on each replay); views of a non-copied
+        input (``inputs``: storage id -> input index; a parameter, a saved
+        activation, another piece's output) are rebuilt from that call's input and
+        never held (holding one would keep the producing piece's output alive: its
+        next replay would see it "still referenced"); the rest is kept (visible
+        outputs, aliases of our own static buffers, ``buffers``: tracked)."""
+        keep_st = {_storage_id(o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i in visible}
+        keep_st |= buffers
+        first = {}
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                continue
+            src = inputs.get(_storage_id(o))
+            if src is not None:
+                self.alias[i] = (src, o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype)
+                continue
+            if i in visible or _storage_id(o) in keep_st:
+                continue
+            key = _storage_ptr(o)
+            rel = self.released.get(key)
+            if rel is None:
+                rel = self.released[key] = Released(o)
+            rel.idxs.append(i)
+            rel.views.append((o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype))
+            self.released_outs[i] = key
+            first[i] = o
+        self.first = {**first, **{i: outs[i] for i in self.alias}}
+        self.outputs = [None if i in first or i in self.alias else o for i, o in enumerate(outs)]
+        self.track_outputs(set(inputs))
+
+    def aliases(self, args: Sequence[Any]) -> dict[int, torch.Tensor]:
+        """The outputs that are views of this call's inputs, rebuilt on them."""
+        out = {}
+        for i, (src, off, size, stride, dt) in self.alias.items():
+            a = args[src]
+            out[i] = torch.empty((0,), dtype=dt, device=a.device).set_(a.untyped_storage(), off, size, stride)
+        return out
+
+    def handout_released(self) -> dict[int, torch.Tensor]:
+        """Released outputs for this call: the capture's own tensors the first time,
+        then tensors rebuilt on the same pool memory (owning nothing)."""
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
+        from .. import _compat
+
+        out: dict[int, torch.Tensor] = {}
+        for rel in self.released.values():
+            ts = _compat.pool_tensors(rel.ptr, rel.nbytes, rel.device, rel.views)
+            rel.recon = _compat.storage_weakref(ts[0])
+            out.update(zip(rel.idxs, ts))
+        return out
+
+    def alive_outputs(self) -> list[int]:
+        """Indices of handed-out outputs something outside the runner still holds."""
+        from .. import _compat
+
+        alive = [i for h, base, idxs in self.tracked if _compat.storage_refs(h) > base for i in idxs]
+        for rel in self.released.values():
+            if rel.alive():
+                alive += rel.idxs
+        return alive
+
+    def unsafe_storages(self) -> list[int]:
+        return [k for k, r in self.released.items() if r.unsafe()]
+
+    def orphan_done(self) -> None:
+        """The ledger stopped tracking this capture; an orphan drops what it kept."""
+        if self.orphan:
+            self.outputs, self.tracked, self.orphan = [], [], False
+
+    def release(self, keep_live_outputs: bool = True) -> None:
+        if self.graph is not None:
+            try:
+                self.graph.reset()
+            except Exception:  # pragma: no cover
+                pass
+        self.graph = None
+        self.inputs = []
+        self.first = None
+        if self.ledger.forget(self, keep_live_outputs):
+            # an orphan: keep only the storages a user still holds (their handles must
+            # stay valid until they die); every other pool output is freed now
+            self.orphan = True
+            alive = set(self.alive_outputs())
+            self.tracked = [t for t in self.tracked if alive.intersection(t[2])]
+            self.outputs = [o if i in alive else None for i, o in enumerate(self.outputs)]
+        else:
+            self.outputs, self.tracked = [], []
