@@ -218,11 +218,11 @@ def memory_estimate(opt: torch.optim.Optimizer, codegen: str = "inductor") -> di
     With ``codegen="inductor"`` the stage peaks model Inductor's fusion and in-place
     reuse (``peak_bytes_inductor``); ``estimated_step_peak_bytes_unfused`` is the same
     sum with every FX value materialized (what ``codegen="eager"`` allocates)."""
-    from graphcomp.state import STATE
+    import graphcomp
 
     peaks: dict[str, int] = {}
     unfused: dict[str, int] = {}
-    for f in STATE.frames:
+    for f in graphcomp.frame_summaries():
         for stage, d in f.get("stages", {}).items():
             mem = d.get("memory") or {}
             flat = mem.get("peak_bytes_allocated", mem.get("peak_bytes"))  # what max_memory_allocated counts

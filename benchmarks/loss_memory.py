@@ -133,7 +133,7 @@ def trace(preset: str, batch: int, seq: int, chunk: int | None, layers: int | No
     """Stage memory estimates of one step; ``chunk=None`` runs with the pass off."""
     import graphcomp
     from graphcomp import _compat, loss_ops
-    from graphcomp.state import STATE
+    import graphcomp
 
     torch._dynamo.reset()
     graphcomp.reset()
@@ -163,7 +163,7 @@ def trace(preset: str, batch: int, seq: int, chunk: int | None, layers: int | No
     finally:
         _compat.aot_autograd, _compat.has_fp32_out_addmm, loss_ops._use_compiled = orig, cuda_mm, cuda_chunk
     out: dict[str, Any] = {"chunk": chunk}
-    for f in STATE.frames:
+    for f in graphcomp.frame_summaries():
         for stage, d in f["stages"].items():
             mem = d.get("memory") or {}
             if stage in ("fwd", "bwd") and "peak_bytes_allocated" in mem:

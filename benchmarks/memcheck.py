@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import graphcomp
-from graphcomp.state import STATE
+import graphcomp
 
 from . import workloads
 from .external import memory_estimate
@@ -65,7 +65,7 @@ def check(w: workloads.Workload, cudagraphs: str, dev: torch.device, disable: tu
         times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated()
     est = memory_estimate(opt)
-    mems = {st: d.get("memory") for f in STATE.frames for st, d in f["stages"].items()}
+    mems = {st: d.get("memory") for f in graphcomp.frame_summaries() for st, d in f["stages"].items()}
     r = {"cudagraphs": cudagraphs, "passes_off": list(disable), "sharded": True, "peak_alloc_gib": peak / 2**30,
          "peak_resv_gib": torch.cuda.max_memory_reserved() / 2**30,
          "est_gib": est.get("estimated_step_peak_bytes", 0) / 2**30, "estimate": est,

@@ -53,22 +53,28 @@ from . import env as _env
 from . import optim
 from .config import Config
 from .sharding import shard
-from .state import STATE as _STATE
+from . import runtime as _runtime  # noqa: F401 (attaches the CUDA-graph runtime to the session)
+from .session import SESSION as _SESSION
 
 __version__ = "0.1.0"
 
-counters = _STATE.counters
-"""Process-wide counters (a ``collections.Counter``); see ``graphcomp.state``."""
+counters = _SESSION.counters
+"""What graphcomp did, counted (:class:`graphcomp.counters.Counters`: a read-only
+mapping of the non-zero counters; an unknown name raises ``KeyError``)."""
 
 
 def reset() -> None:
-    """Clear counters, frame ids and recorded frame summaries, and tear down the
-    CUDA-graph runtime (every captured graph released, a fresh pool and capture
+    """Zero the counters, forget frame ids and recorded frame summaries, and tear down
+    the CUDA-graph runtime (every captured graph released, a fresh pool and capture
     stream on next use). Functions compiled before keep working, eagerly."""
-    from .runtime import manager as _manager
+    _SESSION.reset()
 
-    _STATE.reset()
-    _manager.reset()
+
+def frame_summaries() -> list[dict]:
+    """The summary of every frame compiled since the last ``reset()`` (the most recent
+    1000), as written to ``summary.json``: per stage the passes' records, collectives,
+    memory estimate and the pieces of split graphs with what their runners did."""
+    return _SESSION.frames.to_json()
 
 
 # the submodule graphcomp.backend is loaded first, so that the name `backend` below
@@ -89,4 +95,4 @@ if _env.log_level():
     _log.setLevel(_env.log_level())
 _compat.graph_logger()  # registers the "graphcomp_graphs" artifact of torch._logging.set_logs
 
-__all__ = ["Config", "backend", "counters", "optim", "reset", "shard", "__version__"]
+__all__ = ["Config", "backend", "counters", "frame_summaries", "optim", "reset", "shard", "__version__"]

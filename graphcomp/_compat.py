@@ -2,6 +2,10 @@
 
 graphcomp runs on torch 2.11 (GPU machines) and 2.13 (CPU CI). When a private
 API moves, this is the only file to change. Everything else imports from here.
+
+(Longer than graphcomp's ~500-line guideline on purpose: the point of the module is
+that every private API sits in one file; it is a flat list of small adapters, each
+with its version notes, and imports nothing of graphcomp.)
 """
 
 from __future__ import annotations
@@ -17,17 +21,6 @@ import torch
 import torch.fx as fx
 
 log = logging.getLogger(__name__)
-
-TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-
-
-def _accepts(fn: Callable[..., Any], name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
 
 # --------------------------------------------------------------------------- FX
 def print_readable(gm: fx.GraphModule) -> str:
@@ -267,11 +260,6 @@ def skip_top_level_frames(*fns: Callable[..., Any]) -> None:
         return
     for code in codes:
         skip_code(code)
-
-
-@functools.lru_cache(None)
-def has_cudagraph_unsafe_tag() -> bool:
-    return hasattr(torch.Tag, "cudagraph_unsafe")
 
 
 # ------------------------------------------------------ functional collectives

@@ -31,7 +31,8 @@ import torch.fx as fx
 from . import _compat, dump, graph_utils, memory
 from .config import Config
 from .pipeline import PassContext, run_stage
-from .state import STATE
+from .plan import FramePlan, StageInputs
+from .session import SESSION, FrameRecord
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,13 @@ class FrameCompiler:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], cfg: Config):
         self.cfg = cfg
-        self.frame_id = STATE.next_frame_id()
+        self.frame_id = SESSION.next_frame_id()
         self.rank, self.world_size = _rank_world()
         self.dumper = dump.Dumper(cfg.dump_dir, self.rank, self.frame_id)
-        self.frame_data: dict[str, Any] = {}
+        self.plan = FramePlan()  # what this frame's stages hand each other
         self.joint_hook_obj: Any = None
         self.recompile = _compat.is_recompile()
-        self.summary: dict[str, Any] = {
+        info: dict[str, Any] = {
             "frame": self.frame_id,
             "compile_id": _compat.current_compile_id(),
             "recompile": self.recompile,
@@ -64,13 +65,13 @@ class FrameCompiler:
             "config": cfg.to_json(),
             "num_inputs": len(example_inputs),
             "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs],
-            "stages": {},
             "compile_seconds": None,
         }
-        STATE.frames.append(self.summary)
-        STATE.counters["frames_compiled"] += 1
+        self.record = FrameRecord(info, self.plan)
+        SESSION.frames.append(self.record)
+        SESSION.counters.add("frames_compiled")
         if self.recompile:
-            STATE.counters["recompiles"] += 1
+            SESSION.counters.add("recompiles")
 
     # ---------------------------------------------------------------- stages
     def run(self, stage: str, gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphModule:
@@ -80,14 +81,14 @@ class FrameCompiler:
             stage=stage,
             rank=self.rank,
             world_size=self.world_size,
-            frame_data=self.frame_data,
+            frame=self.plan,
             example_inputs=example_inputs,
         )
         ops_in = graph_utils.op_counts(gm)
         nodes_in = len(gm.graph.nodes)
         gm, records = run_stage(gm, ctx, self.dumper)
         colls = graph_utils.collectives(gm) if stage != "dynamo" else []  # (torch-level ops: counted after AOT)
-        self.summary["stages"][stage] = {
+        self.record.stages[stage] = {
             "nodes_in": nodes_in,
             "nodes_out": len(gm.graph.nodes),
             "ops_in": dict(ops_in),
@@ -95,14 +96,14 @@ class FrameCompiler:
             "passes": [r.to_json() for r in records],
             "collectives": colls,
             "bytes_by_dtype": graph_utils.collective_bytes_by_dtype(colls),
-            "partitions": self.frame_data.get(f"partitions:{stage}", []),
+            # ("partitions": rendered from self.plan.splits[stage] when the record is written)
             # static estimate: peak bytes and where (graphcomp/memory.py); the torch-level
             # Dynamo graph carries no fake values the model reads
             "memory": self._memory_summary(stage, gm) if stage != "dynamo" else None,
         }
         if stage in ("fwd", "bwd"):
             for dtype, b in graph_utils.collective_bytes_by_dtype(colls, "all_gather").items():
-                STATE.counters[f"bytes_gathered:{dtype}"] += b
+                SESSION.counters.add(f"bytes_gathered:{dtype}", b)
         self._flush()
         changed = [r.name for r in records if r.changed]
         log.info(
@@ -115,14 +116,15 @@ class FrameCompiler:
         """The memory model on the stage graph as scheduled (before a CUDA-graph split:
         the glue graph of a split one says nothing about memory), with the forward's
         static inputs (parameters, shards) as the only inputs live throughout."""
-        target = gm.meta.get("graphcomp_split_from", gm)
+        split = self.plan.split_of(gm, stage)
+        target = split.source if split is not None else gm
         persistent = None
         if stage in ("fwd", "bwd"):
-            persistent = memory.persistent_inputs(target, stage, self.frame_data.get("static_input_idxs:fwd"))
+            persistent = memory.persistent_inputs(target, stage, list(self.plan.stage_inputs("fwd").static_idxs))
         return memory.summary(target, persistent=persistent)
 
     def _flush(self) -> None:
-        dump.write_summary(self.cfg.dump_dir, self.rank, [f for f in STATE.frames])
+        dump.write_summary(self.cfg.dump_dir, self.rank, SESSION.frames.to_json())
 
     def joint_hook(self, gm: fx.GraphModule) -> fx.GraphModule:
         stage = "joint" if _compat.is_joint_graph(gm) else "inference"
@@ -133,7 +135,7 @@ class FrameCompiler:
         self._stage_inputs(stage, gm, list(kwargs.get("static_input_idxs") or ()), kwargs.get("is_inference", False))
         gm = self.run(stage, gm, example_inputs)
         with _compat.inductor_cache_key(self.joint_hook_obj):
-            if "graphcomp_pieces" in gm.meta:
+            if self.plan.split_of(gm, stage) is not None:
                 return self.compile_pieces(stage, gm, kwargs)
             return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
 
@@ -141,7 +143,6 @@ class FrameCompiler:
     def _stage_inputs(self, stage: str, gm: fx.GraphModule, static_idxs: list[int], inference: bool) -> None:
         """Record what the cudagraphs pass needs: static input indices and which
         outputs reach user code (None = all)."""
-        self.frame_data[f"static_input_idxs:{stage}"] = static_idxs
         visible = None
         if stage == "fwd" and not inference:
             out = next((n for n in gm.graph.nodes if n.op == "output"), None)
@@ -151,7 +152,7 @@ class FrameCompiler:
                 visible = list(range(n))
             elif idxs is not None:
                 visible = list(idxs)
-        self.frame_data[f"user_visible:{stage}"] = visible
+        self.plan.inputs[stage] = StageInputs(tuple(static_idxs), None if visible is None else tuple(visible))
 
     def compile_pieces(self, stage: str, gm: fx.GraphModule, kwargs: dict[str, Any] | None) -> Any:
         """Compile each piece of a split graph (Inductor when ``kwargs`` is given,
@@ -164,7 +165,7 @@ class FrameCompiler:
                 if bad:  # Inductor cannot bind the symbols of an expression-valued scalar input
                     log.info("graphcomp %s: piece has scalar input(s) %s (expressions): running its FX graph "
                              "without Inductor", stage, bad)
-                    STATE.counters["pieces_not_inductor"] += 1
+                    SESSION.counters.add("pieces_not_inductor")
                     return _compat.make_boxed_func(piece.forward)
                 kw = dict(kwargs)
                 kw["static_input_idxs"] = static_idxs
@@ -176,8 +177,8 @@ class FrameCompiler:
             def compile_piece(piece: fx.GraphModule, ins: list[Any], static_idxs: list[int]) -> Any:
                 return _compat.make_boxed_func(piece.forward)
 
-        return compile_pieces(gm, stage, self.cfg, compile_piece, self.frame_data, report_strides=kwargs is not None,
-                              frame_id=self.frame_id)
+        return compile_pieces(self.plan.splits[stage], self.plan.stage_inputs(stage), self.cfg, compile_piece,
+                              report_strides=kwargs is not None, frame_id=self.frame_id)
 
     # ------------------------------------------------------------- eager path
     def eager_partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -195,7 +196,7 @@ class FrameCompiler:
                 static = _compat.fw_static_input_indices() or []
             self._stage_inputs(st, gm, static, stage == "inference")
             gm = self.run(st, gm, example_inputs)
-            if "graphcomp_pieces" in gm.meta:
+            if self.plan.split_of(gm, st) is not None:
                 return self.compile_pieces(st, gm, None)
             return _compat.make_boxed_func(gm.forward)
 
@@ -222,7 +223,7 @@ class FrameCompiler:
             )
             return backend(gm, example_inputs)
         finally:
-            self.summary["compile_seconds"] = time.perf_counter() - t0
+            self.record.info["compile_seconds"] = time.perf_counter() - t0
             self._flush()
 
 

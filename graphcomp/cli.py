@@ -1,4 +1,7 @@
-"""The ``graphcomp`` console script: ``inspect``, ``demo``, ``bench``."""
+"""The ``graphcomp`` console script: ``inspect``, ``passes``, ``demo``.
+
+It depends only on the installed package. The benchmark harness lives in a source
+checkout (``python -m benchmarks.run``, see ``benchmarks/README.md``)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,20 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _passes(args: argparse.Namespace) -> int:
+    from .pipeline import registered_passes
+
+    for name, spec in registered_passes().items():
+        stages = ", ".join(s for s in ("dynamo", "joint", "fwd", "bwd") if s in spec.stages)
+        head = f"{name}  [{stages}; {'on' if spec.default else 'off'} by default]"
+        if args.verbose:
+            print(f"{head}\n\n{spec.doc}\n\n" + "-" * 72)
+        else:
+            first = spec.doc.split("\n\n")[0].replace("\n", " ")
+            print(f"{head}\n    {first}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="graphcomp", description="graphcomp: a torch.compile backend for sharded training")
@@ -48,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     pd = sub.add_parser("demo", help="train the demo Llama a few steps on 2 ranks (gloo CPU, or NCCL GPUs)")
     pd.add_argument("rest", nargs=argparse.REMAINDER, help="options for graphcomp.demo (see --help there)")
 
-    pb = sub.add_parser("bench", help="run the benchmark harness (benchmarks.run); launch it under torchrun")
-    pb.add_argument("rest", nargs=argparse.REMAINDER)
+    pp = sub.add_parser("passes", help="list the passes in the order they run, with their stages and defaults")
+    pp.add_argument("-v", "--verbose", action="store_true", help="print each pass's whole docstring (its pattern)")
 
     args = p.parse_args(argv)
     if args.cmd == "inspect":
@@ -58,13 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import launch
 
         return launch(args.rest)
-    if args.cmd == "bench":
-        try:
-            from benchmarks.run import main as bench_main
-        except ImportError as e:
-            print(f"graphcomp bench: the benchmarks package is not importable ({e}); run it from a source checkout", file=sys.stderr)
-            return 2
-        return int(bench_main(args.rest) or 0)
+    if args.cmd == "passes":
+        return _passes(args)
     return 2
 
 

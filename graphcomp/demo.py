@@ -102,10 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_reduce(lval)
             say(f"[demo] step {step}: loss {lval.item() / world:.4f}  grad-norm {float(norm.full_tensor() if hasattr(norm, 'full_tensor') else norm):.3f}"
                 f"  {time.perf_counter() - t0:.2f}s{'  (includes compile)' if step == 0 else ''}")
-        from graphcomp.state import STATE
-
         say("\n[demo] what each pass did (rank 0; `graphcomp inspect " + args.dump_dir + "` shows the same):\n")
-        say(format_summary({"rank": rank, "frames": STATE.frames}))
+        say(format_summary({"rank": rank, "frames": graphcomp.frame_summaries()}))
         say(f"\n[demo] dumps: {args.dump_dir}/rank*/ (summary.json, frameNNN/<stage>/NN-<pass>.before/after.txt)")
         say(f"[demo] counters: {dict(sorted(graphcomp.counters.items()))}")
     finally:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from .state import STATE
+from .session import SESSION
 
 
 
@@ -47,10 +47,10 @@ def cached(module: nn.Module, name: str) -> torch.Tensor | None:
     """The gathered value of ``name`` in ``module``'s open scope, or None. A frame
     Dynamo compiles while a scope is open (a resume function after a graph break
     inside the module) reads the gathered tensor as a graph input instead of
-    gathering again. (Scopes live in ``STATE.scopes``, keyed by module id, not on the
+    gathering again. (Scopes live in ``SESSION.scopes``, keyed by module id, not on the
     module: Dynamo marks every tensor attribute of a module a static input, and the
     CUDA-graph runner would then expect it at a fixed address.)"""
-    scope = STATE.scopes.get(id(module))
+    scope = SESSION.scopes.get(id(module))
     return None if scope is None else scope.get(name)
 
 
@@ -101,7 +101,7 @@ def install(module: nn.Module, infos: dict[str, Any]) -> None:
             scope = {}
             for n in order:
                 scope[n] = gather(mod._parameters[n], infos[n])
-            STATE.scopes[id(mod)] = scope
+            SESSION.scopes[id(mod)] = scope
             return None
         locals_, grad = [], False
         for n in order:
@@ -113,7 +113,7 @@ def install(module: nn.Module, infos: dict[str, Any]) -> None:
             with torch.no_grad():
                 for n, t in zip(order, locals_):
                     scope[n] = gather_local(t, infos[n])
-            STATE.scopes[id(mod)] = scope
+            SESSION.scopes[id(mod)] = scope
             return None
         k = None
         for i, a in enumerate(args):  # the node takes the module's first differentiable input
@@ -122,13 +122,13 @@ def install(module: nn.Module, infos: dict[str, Any]) -> None:
                 break
         x = args[k] if k is not None else None
         outs = _ScopeNode.apply(ordered, x, *locals_)
-        STATE.scopes[id(mod)] = dict(zip(order, outs[1:]))
+        SESSION.scopes[id(mod)] = dict(zip(order, outs[1:]))
         if k is None:
             return None
         return (*args[:k], outs[0], *args[k + 1:])
 
     def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
-        STATE.scopes.pop(id(mod), None)
+        SESSION.scopes.pop(id(mod), None)
 
     if not _SKIPPED:
         # called from eager code, these run as Python: Dynamo would otherwise compile

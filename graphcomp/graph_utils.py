@@ -45,15 +45,6 @@ def count_diff(before: collections.Counter, after: collections.Counter) -> dict[
     return {k: after[k] - before[k] for k in sorted(keys) if after[k] != before[k]}
 
 
-def is_op(node: fx.Node, packet: Any) -> bool:
-    """True when ``node`` calls ``packet`` (an OpOverloadPacket) or one of its overloads."""
-    if node.op != "call_function":
-        return False
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t.overloadpacket is packet
-    return t is packet
-
 
 def collective_kind(node: fx.Node) -> str | None:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -85,7 +76,11 @@ def nbytes(t: torch.Tensor) -> int:
 
 def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
     """Every collective in the graph with its kind, dtype, bytes on the wire
-    (output bytes for gathers, input bytes for reductions) and bucket id."""
+    (output bytes for gathers, input bytes for reductions), and what the passes
+    decided about it: bucket id and parameters (bucket_collectives), the dtype of a
+    fused downcast (fuse_allgather_downcast), whether it is resharded after forward
+    (schedule_free) and how many nodes ahead of its first use it was issued
+    (schedule_prefetch); None where a pass did not touch it."""
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_module":  # a piece of a split graph (partition_graph)
@@ -109,6 +104,9 @@ def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
                 "bytes": sum(max(nbytes(t), 0) for t in src),
                 "bucket": n.meta.get("graphcomp_bucket"),
                 "params": n.meta.get("graphcomp_params"),
+                "fused_downcast": n.meta.get("graphcomp_fused_downcast"),
+                "resharded": n.meta.get("graphcomp_reshard"),
+                "prefetch_ahead": n.meta.get("graphcomp_prefetch_ahead"),
             }
         )
     return out

@@ -42,7 +42,6 @@ kernels. Nothing here syncs the host: chunk bounds depend only on shapes.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import torch
@@ -304,13 +303,6 @@ OPS = {
 
 
 # ------------------------------------------------------------ memory model
-def _numel(shape: torch.Size | list[int]) -> int | None:
-    try:
-        return int(math.prod(int(s) for s in shape))
-    except Exception:  # symbolic sizes
-        return None
-
-
 def workspace_bytes(target: object, args: tuple, vals: list[object]) -> int:
     """Bytes one of these ops allocates internally beyond its outputs while it runs
     (the memory model adds them at the op, whose outputs it counts from the op's

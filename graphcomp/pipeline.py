@@ -1,22 +1,33 @@
-"""The pass pipeline: registry, order rules, toggles, timing, records and dumps.
+"""The pass pipeline: the pass order, toggles, timing, records and dumps.
 
-A pass is ``fn(gm: torch.fx.GraphModule, ctx: PassContext) -> GraphModule`` over
+A pass is ``fn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult`` over
 aten-level FX (``joint``, ``fwd``, ``bwd``, ``inference``), or over the torch-level
 graph Dynamo hands the backend (``dynamo``: before AOTAutograd, for passes that must
 change what gets differentiated, e.g. swap a loss for a custom op with its own
-autograd formula). It is registered with :func:`register_pass`, which declares the
-stages it runs in, whether it is on by default, and its order rules (``after=`` / ``before=`` other passes, or ``last=True``).
+autograd formula). It returns ``ctx.changed(gm)`` or ``ctx.unchanged(gm, why)``: the
+pass says what it did, the pipeline does not guess from the code text (a pass that
+only tags nodes for the partitioner changed the plan, not the code).
 
-The pipeline owns the order (a stable topological sort of the rules; ties keep
-registration order), the per-pass enable flags (``Config.passes``), wall time,
+**Adding a pass**: write ``passes/<name>.py`` with one function decorated
+``@register_pass("<name>", stages=(...), after=(...))``, add ``"<name>"`` to
+:data:`PASS_ORDER` below, and a test file (``docs/architecture.md`` walks through it).
+
+The order is written once, here. Each pass also declares its requirements
+(``after=`` / ``before=`` other passes, ``last=True``); the order is checked against
+them when the pipeline is first used, and a violation is an error naming the rule.
+
+The pipeline owns the per-pass enable flags (``Config.passes``), wall time,
 before/after dumps, and one :class:`PassRecord` per pass and stage saying what the
-pass changed or why it changed nothing. A pass that leaves the graph unchanged
-must say why (``ctx.nothing(reason)``); the pipeline flags a silent no-op.
+pass changed or why it changed nothing (a pass that does neither is flagged). Passes
+count through ``ctx.counter(name, n)``; the pipeline adds those to
+``graphcomp.counters`` after the pass returns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -26,12 +37,27 @@ from typing import Any
 import torch.fx as fx
 
 from . import graph_utils
-from .state import STATE
+from .plan import FramePlan
+from .session import SESSION
 
 log = logging.getLogger(__name__)
 
 STAGES = ("dynamo", "joint", "fwd", "bwd", "inference")
-PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
+
+PASS_ORDER: tuple[str, ...] = (
+    "chunk_lm_loss",            # dynamo: linear + cross-entropy -> chunked op
+    "fuse_allgather_downcast",  # joint: cast shards before gathering
+    "bucket_collectives",       # joint: pack gathers / reduce-scatters into buckets
+    "schedule_free",            # joint: reshard after forward (tags for the partitioner)
+    "schedule_prefetch",        # fwd, bwd: move gathers early, waits late
+    "partition_graph",          # fwd, bwd: cut where CUDA graphs cannot go
+    "cudagraphs",               # fwd, bwd: plan a runner per capturable piece (last)
+)
+"""Every pass, in the order it runs (each in the stages it declares); the module
+``passes/<name>.py`` defines it. Inference frames run the joint passes under the
+stage name ``inference``."""
+
+PassFn = Callable[[fx.GraphModule, "PassContext"], "PassResult"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +69,7 @@ class PassSpec:
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
     last: bool = False
-    doc: str = ""
-
-
-_REGISTRY: dict[str, PassSpec] = {}
+    doc: str = ""  # the pass module's docstring (the pattern it matches); `graphcomp passes` shows it
 
 
 def register_pass(
@@ -58,62 +81,35 @@ def register_pass(
     before: tuple[str, ...] = (),
     last: bool = False,
 ) -> Callable[[PassFn], PassFn]:
-    """Decorator: register ``fn`` as pass ``name``. Order rules name other passes;
-    a rule naming a pass that is not registered is an error when the order is built."""
+    """Decorator: declare ``fn`` as pass ``name`` (its stages, default, and order
+    requirements). Nothing global changes: the pipeline finds the pass through
+    :data:`PASS_ORDER` and its module ``graphcomp.passes.<name>``."""
     bad = sorted(set(stages) - set(STAGES))
     if bad or not stages:
         raise ValueError(f"pass {name!r}: invalid stages {list(stages)}; valid stages: {list(STAGES)}")
 
     def deco(fn: PassFn) -> PassFn:
-        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
-            raise ValueError(f"pass {name!r} is registered twice")
-        doc = (fn.__doc__ or "").strip() or (getattr(__import__(fn.__module__), "__doc__", "") or "")
-        _REGISTRY[name] = PassSpec(name, fn, frozenset(stages), default, tuple(after), tuple(before), last, doc)
+        mod = inspect.getmodule(fn)
+        doc = ((mod.__doc__ if mod is not None else None) or fn.__doc__ or "").strip()
+        fn.pass_spec = PassSpec(name, fn, frozenset(stages), default, tuple(after), tuple(before), last, doc)  # type: ignore[attr-defined]
         return fn
 
     return deco
 
 
-def _ensure_loaded() -> None:
-    # importing the passes package registers every pass
-    from . import passes  # noqa: F401
+def _load_spec(name: str) -> PassSpec:
+    mod = importlib.import_module(f"graphcomp.passes.{name}")
+    specs = [v.pass_spec for v in vars(mod).values() if callable(v) and getattr(v, "pass_spec", None) is not None
+             and v.pass_spec.name == name]
+    if len(specs) != 1:
+        raise ValueError(f"graphcomp.passes.{name} must define exactly one function decorated "
+                         f"@register_pass({name!r}, ...); found {len(specs)}")
+    return specs[0]
 
 
-def registered_passes() -> dict[str, PassSpec]:
-    _ensure_loaded()
-    return dict(_REGISTRY)
-
-
-def get_pass(name: str) -> PassSpec:
-    specs = registered_passes()
-    if name not in specs:
-        raise ValueError(f"unknown pass {name!r}; valid passes: {sorted(specs)}")
-    return specs[name]
-
-
-@contextlib.contextmanager
-def temporary_registry(*specs: PassSpec, replace: bool = True) -> Iterator[None]:
-    """Tests: run with exactly ``specs`` registered (or added, ``replace=False``)."""
-    _ensure_loaded()
-    saved = dict(_REGISTRY)
-    if replace:
-        _REGISTRY.clear()
-    for s in specs:
-        _REGISTRY[s.name] = s
-    try:
-        yield
-    finally:
-        _REGISTRY.clear()
-        _REGISTRY.update(saved)
-
-
-def pass_order(stage: str | None = None) -> list[str]:
-    """Registered pass names in run order (all stages, or those of ``stage``).
-
-    Rules: ``after``/``before`` edges between registered passes; ``last=True``
-    passes come after every other pass (two ``last`` passes are an error).
-    Ties keep registration order, so the order is stable."""
-    specs = registered_passes()
+def _sorted_by_rules(specs: dict[str, PassSpec]) -> list[str]:
+    """A stable topological sort of ``specs`` (dict order breaks ties) by their
+    ``after`` / ``before`` / ``last`` rules."""
     names = list(specs)
     edges: dict[str, set[str]] = {n: set() for n in names}  # n -> passes that must precede n
     lasts = [n for n in names if specs[n].last]
@@ -139,9 +135,84 @@ def pass_order(stage: str | None = None) -> list[str]:
             raise ValueError(f"pass order rules form a cycle among {cyc}")
         order.append(ready[0])
         done.add(ready[0])
-    if stage is not None:
-        order = [n for n in order if stage in specs[n].stages]
     return order
+
+
+class PassRegistry:
+    """The passes the pipeline runs, in order (immutable once built)."""
+
+    def __init__(self, specs: list[PassSpec]) -> None:
+        names = [s.name for s in specs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"pass(es) listed twice: {dup}")
+        self._given = {s.name: s for s in specs}
+        self._order: list[str] | None = None
+
+    @property
+    def order(self) -> list[str]:
+        """Pass names in run order (rules checked here, on first use: a broken rule
+        raises a ValueError naming it)."""
+        if self._order is None:
+            self._order = _sorted_by_rules(self._given)
+        return self._order
+
+    @property
+    def specs(self) -> dict[str, PassSpec]:
+        return {n: self._given[n] for n in self.order}
+
+    @classmethod
+    def from_pass_order(cls) -> PassRegistry:
+        """The product pipeline: :data:`PASS_ORDER`, checked against each pass's rules."""
+        reg = cls([_load_spec(n) for n in PASS_ORDER])
+        if reg.order != list(PASS_ORDER):
+            i = next(k for k, (a, b) in enumerate(zip(reg.order, PASS_ORDER)) if a != b)
+            moved = reg.order[i]
+            s = reg.specs[moved]
+            raise ValueError(
+                f"PASS_ORDER {list(PASS_ORDER)} breaks the rules of pass {moved!r} (after={list(s.after)}, "
+                f"before={list(s.before)}, last={s.last}) or of a pass it must precede; an order that keeps "
+                f"every rule: {reg.order}")
+        return reg
+
+
+def _active() -> PassRegistry:
+    """The registry in use: built from PASS_ORDER on first use and kept in the session
+    (``temporary_registry`` swaps it in tests)."""
+    if SESSION.pass_registry is None:
+        SESSION.pass_registry = PassRegistry.from_pass_order()
+    return SESSION.pass_registry
+
+
+def registered_passes() -> dict[str, PassSpec]:
+    """Every pass, by name, in run order."""
+    return dict(_active().specs)
+
+
+def get_pass(name: str) -> PassSpec:
+    specs = _active().specs
+    if name not in specs:
+        raise ValueError(f"unknown pass {name!r}; valid passes: {sorted(specs)}")
+    return specs[name]
+
+
+@contextlib.contextmanager
+def temporary_registry(*specs: PassSpec, replace: bool = True) -> Iterator[None]:
+    """Tests: run with exactly ``specs`` (or the product passes plus ``specs``,
+    ``replace=False``), ordered by their rules (ties: the order given)."""
+    saved = _active()
+    base = [] if replace else list(saved._given.values())
+    SESSION.pass_registry = PassRegistry(base + list(specs))
+    try:
+        yield
+    finally:
+        SESSION.pass_registry = saved
+
+
+def pass_order(stage: str | None = None) -> list[str]:
+    """Pass names in run order (all stages, or those of ``stage``)."""
+    reg = _active()
+    return [n for n in reg.order if stage is None or stage in reg.specs[n].stages]
 
 
 @dataclass
@@ -164,6 +235,15 @@ class PassRecord:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass returns: the graph (possibly a new GraphModule) and whether the
+    pass changed it or the plan it carries (node tags read by the partitioner count)."""
+
+    gm: fx.GraphModule
+    changed: bool
+
+
 @dataclass
 class PassContext:
     """Everything a pass may read, and the place it records what it did."""
@@ -174,14 +254,19 @@ class PassContext:
     rank: int = 0
     world_size: int = 1
     record: PassRecord | None = None
-    # shared between the passes and stages of one frame (e.g. joint-pass decisions
-    # the fwd/bwd passes need, split reasons, runtime plans)
-    frame_data: dict[str, Any] = field(default_factory=dict)
+    frame: FramePlan = field(default_factory=FramePlan)  # what the stages of this frame hand each other
     example_inputs: Any = None
+    _session_counts: dict[str, float] = field(default_factory=dict)
 
     def count(self, key: str, n: float = 1) -> None:
+        """A number in this pass's record (``graphcomp inspect`` shows it)."""
         assert self.record is not None
         self.record.counts[key] = self.record.counts.get(key, 0) + n
+
+    def counter(self, name: str, n: float = 1) -> None:
+        """Add ``n`` to the session counter ``name`` (``graphcomp.counters``) once the
+        pass has returned."""
+        self._session_counts[name] = self._session_counts.get(name, 0) + n
 
     def note(self, msg: str) -> None:
         assert self.record is not None
@@ -189,19 +274,38 @@ class PassContext:
         log.debug("[frame %s %s %s] %s", self.frame_id, self.stage, self.record.name, msg)
 
     def nothing(self, reason: str) -> None:
-        """Declare that the pass found nothing to do (or refused), and why."""
+        """Record why the pass found nothing to do (or refused)."""
         assert self.record is not None
         self.record.reason = reason
 
+    def unchanged(self, gm: fx.GraphModule, reason: str) -> PassResult:
+        """``return ctx.unchanged(gm, why)``: nothing changed, and why."""
+        self.nothing(reason)
+        return PassResult(gm, False)
+
+    def changed(self, gm: fx.GraphModule, note: str | None = None) -> PassResult:
+        """``return ctx.changed(gm)``: the graph (or its tags) changed."""
+        if note:
+            self.note(note)
+        return PassResult(gm, True)
+
+
+def _check_result(name: str, out: Any) -> PassResult:
+    if isinstance(out, PassResult) and isinstance(out.gm, fx.GraphModule):
+        return out
+    raise TypeError(f"pass {name!r} returned {type(out).__name__}, expected a PassResult "
+                    f"(return ctx.changed(gm) or ctx.unchanged(gm, reason)) (graphcomp bug)")
+
 
 def run_stage(gm: fx.GraphModule, ctx: PassContext, dumper: Any = None) -> tuple[fx.GraphModule, list[PassRecord]]:
-    """Run every registered pass of ``ctx.stage`` over ``gm`` in order."""
+    """Run every pass of ``ctx.stage`` over ``gm`` in order."""
     cfg = ctx.config
     records: list[PassRecord] = []
+    counters = SESSION.counters
     if dumper is not None:
         dumper.graph(ctx.frame_id, ctx.stage, "input", gm)
     for idx, name in enumerate(pass_order(ctx.stage)):
-        spec = _REGISTRY[name]
+        spec = get_pass(name)
         enabled = cfg.pass_enabled(name)
         rec = PassRecord(name=name, stage=ctx.stage, enabled=enabled)
         records.append(rec)
@@ -209,35 +313,39 @@ def run_stage(gm: fx.GraphModule, ctx: PassContext, dumper: Any = None) -> tuple
             rec.reason = "disabled in Config.passes"
             continue
         before_counts = graph_utils.op_counts(gm)
-        before_code = gm.code
+        before_code = gm.code if cfg.debug else None
         rec.nodes_before = len(gm.graph.nodes)
         ctx.record = rec
+        ctx._session_counts = {}
         if dumper is not None:
             dumper.pass_graph(ctx.frame_id, ctx.stage, idx, name, "before", gm)
         t0 = time.perf_counter()
-        out = spec.fn(gm, ctx)
+        res = _check_result(name, spec.fn(gm, ctx))
         rec.seconds = time.perf_counter() - t0
-        if not isinstance(out, fx.GraphModule):
-            raise TypeError(f"pass {name!r} returned {type(out).__name__}, expected torch.fx.GraphModule (graphcomp bug)")
-        gm = out
+        gm = res.gm
         gm.recompile()
+        rec.changed = res.changed
         if cfg.debug:
             try:
                 gm.graph.lint()
             except Exception as e:  # a pass broke the graph: say which one
                 raise RuntimeError(f"graphcomp pass {name!r} produced an invalid graph ({ctx.stage}): {e}") from e
+            if not res.changed and gm.code != before_code:
+                raise RuntimeError(f"graphcomp pass {name!r} reported no change but rewrote the {ctx.stage} graph "
+                                   f"(graphcomp bug: a pass must report what it changed)")
         after_counts = graph_utils.op_counts(gm)
         rec.nodes_after = len(gm.graph.nodes)
         rec.op_diff = graph_utils.count_diff(before_counts, after_counts)
-        rec.changed = gm.code != before_code
         if not rec.changed and rec.reason is None:
             rec.reason = "no change and no reason given (graphcomp bug: a pass must say why it did nothing)"
             log.warning("graphcomp pass %r left the %s graph unchanged without saying why", name, ctx.stage)
-            STATE.counters["silent_noop_passes"] += 1
-        STATE.counters["passes_run"] += 1
+            counters.add("silent_noop_passes")
+        for k, n in ctx._session_counts.items():
+            counters.add(k, n)
+        counters.add("passes_run")
         if rec.changed:
-            STATE.counters["passes_changed"] += 1
-            STATE.counters[f"pass:{name}:changed"] += 1
+            counters.add("passes_changed")
+            counters.add(f"pass:{name}:changed")
         if dumper is not None:
             dumper.pass_graph(ctx.frame_id, ctx.stage, idx, name, "after", gm)
         lvl = logging.INFO if cfg.debug else logging.DEBUG

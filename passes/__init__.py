@@ -1,14 +1,7 @@
 """graphcomp's graph passes, one module per pass (shipped as ``graphcomp.passes``).
 
-Importing this package registers every pass with ``graphcomp.pipeline``; the
-import order below is the registration order (ties in the pass order keep it).
-Each module's docstring says what it matches, what it rewrites, and when it is a no-op.
+Each module defines one function decorated ``@register_pass(...)`` and a docstring
+that draws what it matches, what it rewrites, and when it is a no-op. The order in
+which the passes run is written once, in ``graphcomp.pipeline.PASS_ORDER``; the
+pipeline imports ``graphcomp.passes.<name>`` for each name there.
 """
-
-from . import chunk_lm_loss  # noqa: F401
-from . import fuse_allgather_downcast  # noqa: F401
-from . import bucket_collectives  # noqa: F401
-from . import schedule_free  # noqa: F401
-from . import partition_graph  # noqa: F401
-from . import cudagraphs  # noqa: F401
-from . import schedule_prefetch  # noqa: F401

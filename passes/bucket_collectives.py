@@ -38,8 +38,7 @@ import torch.fx as fx
 
 from graphcomp import graph_utils as gu
 from graphcomp.ops import OPS
-from graphcomp.pipeline import PassContext, register_pass
-from graphcomp.state import STATE
+from graphcomp.pipeline import PassContext, PassResult, register_pass
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -201,13 +200,12 @@ def _bucket_reduce_scatters(gm: fx.GraphModule, b: _Bucket, bid: str) -> fx.Node
 
 
 @register_pass("bucket_collectives", stages=("joint",), after=("fuse_allgather_downcast",))
-def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     limit = ctx.config.bucket_bytes
     ag_buckets = _plan(_items(gm, c10d.all_gather_into_tensor.default, "all_gather", ctx), limit)
     rs_buckets = _plan(_items(gm, c10d.reduce_scatter_tensor.default, "reduce_scatter", ctx), limit)
     if not ag_buckets and not rs_buckets:
-        ctx.nothing(f"no two consecutive compatible collectives fit in bucket_bytes={limit}")
-        return gm
+        return ctx.unchanged(gm, f"no two consecutive compatible collectives fit in bucket_bytes={limit}")
     hoist = set()
     for i, b in enumerate(ag_buckets):
         hoist.add(_bucket_gathers(gm, b, f"{ctx.stage}:ag{i}"))
@@ -223,5 +221,5 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     # may have been defined later: pull them up. Reduce-scatter buckets sit at their
     # last input; the users of earlier members move down after it.
     gu.stable_topo_sort(gm, hoist=hoist)
-    STATE.counters["collective_buckets"] += len(ag_buckets) + len(rs_buckets)
-    return gm
+    ctx.counter("collective_buckets", len(ag_buckets) + len(rs_buckets))
+    return ctx.changed(gm)

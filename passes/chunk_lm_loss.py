@@ -79,8 +79,7 @@ import torch.nn.functional as F
 
 from graphcomp import _compat
 from graphcomp.loss_ops import OPS, REDUCTIONS
-from graphcomp.pipeline import PassContext, register_pass
-from graphcomp.state import STATE
+from graphcomp.pipeline import PassContext, PassResult, register_pass
 
 _LINEAR = (F.linear,)  # nn.Linear.forward calls it too
 _CE_SIG = inspect.signature(F.cross_entropy)
@@ -112,16 +111,14 @@ class Match:
 
 
 @register_pass("chunk_lm_loss", stages=("dynamo",), default=False)
-def chunk_lm_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def chunk_lm_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ces = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is F.cross_entropy]
     if not ces:
-        ctx.nothing("no cross_entropy call in the graph")
-        return gm
+        return ctx.unchanged(gm, "no cross_entropy call in the graph")
     auto = _compat.autocast_enabled()
     if auto:
         ctx.count("skipped:autocast", len(ces))
-        ctx.nothing(f"autocast is enabled for {auto} around the whole frame: the loss's dtypes are autocast's")
-        return gm
+        return ctx.unchanged(gm, f"autocast is enabled for {auto} around the whole frame: the loss's dtypes are autocast's")
     in_autocast = _autocast_regions(gm)
     chunk = ctx.config.loss_chunk_tokens
     compiled = ctx.config.loss_chunk_kernels == "inductor"
@@ -145,10 +142,10 @@ def chunk_lm_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.note(f"{ce.name}: {'linear ' + m.source.name + ' + ' if m.fused else ''}cross_entropy -> graphcomp.{kind} "
                  f"(tokens={m.rows}, vocab={m.vocab}, chunk={chunk}, reduction={m.reduction}, "
                  f"ignore_index={m.ignore_index}, loss dtype={str(m.loss_dtype).replace('torch.', '')})")
-    STATE.counters["lm_losses_chunked"] += done
+    ctx.counter("lm_losses_chunked", done)
     if done == 0:
-        ctx.nothing(f"none of the {len(ces)} cross_entropy call(s) can be chunked (see counts)")
-    return gm
+        return ctx.unchanged(gm, f"none of the {len(ces)} cross_entropy call(s) can be chunked (see counts)")
+    return ctx.changed(gm)
 
 
 # ------------------------------------------------------------------ matching

@@ -27,18 +27,16 @@ import torch
 import torch.fx as fx
 
 from graphcomp import graph_utils as gu
-from graphcomp.pipeline import PassContext, register_pass
-from graphcomp.state import STATE
+from graphcomp.pipeline import PassContext, PassResult, register_pass
 
 prims = torch.ops.prims
 
 
 @register_pass("fuse_allgather_downcast", stages=("joint",))
-def fuse_allgather_downcast(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def fuse_allgather_downcast(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ags = gu.gathers(gm)
     if not ags:
-        ctx.nothing("no all_gather_into_tensor in the graph (unsharded model or world size 1)")
-        return gm
+        return ctx.unchanged(gm, "no all_gather_into_tensor in the graph (unsharded model or world size 1)")
     fused = 0
     for ag in ags:
         reason = _try_fuse(gm, ag, ctx)
@@ -46,10 +44,10 @@ def fuse_allgather_downcast(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             fused += 1
         else:
             ctx.count(f"skipped:{reason}")
-    STATE.counters["gathers_fused"] += fused
+    ctx.counter("gathers_fused", fused)
     if fused == 0:
-        ctx.nothing(f"none of the {len(ags)} gathers is followed only by a downcast")
-    return gm
+        return ctx.unchanged(gm, f"none of the {len(ags)} gathers is followed only by a downcast")
+    return ctx.changed(gm)
 
 
 def _try_fuse(gm: fx.GraphModule, ag: fx.Node, ctx: PassContext) -> str | None:

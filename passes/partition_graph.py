@@ -21,10 +21,12 @@ why (a frozen :class:`SplitReason` per cut node)::
 Rewrites the graph with ``split_module(keep_original_order=True)`` into a
 top-level glue graph calling ``piece_0 .. piece_N`` (original node order kept);
 consecutive nodes with the same mode (``cudagraph`` / ``eager``) form one piece.
-A collective and its wait always stay in one piece (or both run eagerly). The plan
-goes to ``ctx.frame_data['partitions:<stage>']`` (JSON rows for summary/inspect),
-the reasons to ``ctx.frame_data['split_reasons:<stage>']`` and both to
-``gm.meta['graphcomp_pieces']`` for the codegen (``backend.compile_pieces``).
+A collective and its wait always stay in one piece (or both run eagerly). The result
+is a :class:`graphcomp.plan.SplitPlan` (the split graph, the graph it was split from,
+a :class:`~graphcomp.plan.Piece` per piece with its mode and reason, and every
+:class:`~graphcomp.plan.SplitReason`) stored as ``ctx.frame.splits[<stage>]``: the
+cudagraphs pass adds its runner plan to the pieces, the codegen
+(``graphcomp.runtime.codegen``) compiles them, and summaries render its rows.
 
 No-op (nothing split, numerics untouched) when the graph holds no CUDA tensors
 (all CPU runs and CI) or ``Config.cudagraphs == "off"`` or the cudagraphs pass is
@@ -36,34 +38,20 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from graphcomp import graph_utils
-from graphcomp.pipeline import PassContext, register_pass
+from graphcomp.pipeline import PassContext, PassResult, register_pass
+from graphcomp.plan import REASON_KINDS, Piece, SplitPlan, SplitReason  # noqa: F401 (REASON_KINDS, SplitReason: re-exported)
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-
-@dataclass(frozen=True)
-class SplitReason:
-    """Why one node runs outside CUDA graphs."""
-
-    node: str
-    kind: str
-    detail: str
-
-
-REASON_KINDS = (
-    "cpu", "host_sync", "data_dependent", "device_copy", "cudagraph_unsafe", "unbacked_shape",
-    "user_split_op", "rng", "collective_pair", "too_small",
-)
 
 # host syncs that are not tagged data_dependent_output in every torch version
 _HOST_SYNC_NAMES = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "_assert_scalar"}
@@ -265,7 +253,7 @@ def _find(gm: fx.GraphModule, name: str) -> fx.Node | None:
     return None
 
 
-def split_graph(gm: fx.GraphModule, assign: dict[fx.Node, int]) -> fx.GraphModule:
+def split_graph(gm: fx.GraphModule, assign: dict[fx.Node, int]) -> PassResult:
     """``split_module(keep_original_order=True)`` by ``assign``; submodules are
     ``piece_<i>``. Node metadata of the original graph is kept."""
     from torch.fx.passes.split_module import split_module
@@ -296,18 +284,13 @@ def split_graph(gm: fx.GraphModule, assign: dict[fx.Node, int]) -> fx.GraphModul
     return split
 
 
-def piece_plan(split: fx.GraphModule) -> dict[str, Any]:
-    return split.meta.get("graphcomp_pieces", {})
-
-
 @register_pass("partition_graph", stages=("fwd", "bwd"))
-def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Cut the stage graph at nodes CUDA graphs cannot capture (see module docstring)."""
     cfg = ctx.config
     mode = getattr(cfg, "cudagraphs", "off")
     if mode == "off" or not cfg.pass_enabled("cudagraphs"):
-        ctx.nothing("cudagraphs off (Config.cudagraphs='off' or the cudagraphs pass is disabled): no split")
-        return gm
+        return ctx.unchanged(gm, "cudagraphs off (Config.cudagraphs='off' or the cudagraphs pass is disabled): no split")
     if not has_cuda_tensors(gm):
         if mode == "require":
             from graphcomp.errors import CudaGraphsRequired
@@ -317,27 +300,20 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 f"CUDA tensor (a CPU model or CPU inputs): nothing in it can be captured. Move the model and its "
                 f"inputs to a CUDA device, or use cudagraphs='auto' (captures what it can) or 'off'."
             )
-        ctx.nothing("no CUDA tensors in the graph: nothing to capture, no split")
-        return gm
+        return ctx.unchanged(gm, "no CUDA tensors in the graph: nothing to capture, no split")
     assign, rows, reasons = plan_pieces(gm, cfg.split_ops, cfg.min_piece_nodes)
-    ctx.frame_data[f"split_reasons:{ctx.stage}"] = reasons
-    ctx.frame_data[f"partitions:{ctx.stage}"] = rows
     for r in reasons:
         ctx.count(f"cut:{r.kind}")
     n_cg = sum(1 for r in rows if r["mode"] == "cudagraph")
     ctx.count("pieces", len(rows))
     ctx.count("pieces_cudagraph", n_cg)
     if not assign:
-        ctx.nothing("empty graph: nothing to capture")
-        return gm
+        return ctx.unchanged(gm, "empty graph: nothing to capture")
     split = split_graph(gm, assign)
-    split.meta["graphcomp_pieces"] = {
-        f"piece_{r['piece']}": dict(r) for r in rows
-    }
-    split.meta["graphcomp_split_reasons"] = reasons
-    split.meta["graphcomp_split_from"] = gm
-    for r in rows:
-        if r["mode"] == "eager":
-            ctx.note(f"piece_{r['piece']} eager ({r['nodes']} nodes): {r['reason']}")
-            log.info("graphcomp %s piece_%d runs eagerly: %s", ctx.stage, r["piece"], r["reason"])
-    return split
+    pieces = [Piece(index=r["piece"], mode=r["mode"], nodes=r["nodes"], reason=r["reason"]) for r in rows]
+    ctx.frame.splits[ctx.stage] = SplitPlan(ctx.stage, split, gm, pieces, reasons)
+    for p in pieces:
+        if not p.captured:
+            ctx.note(f"{p.name} eager ({p.nodes} nodes): {p.reason}")
+            log.info("graphcomp %s %s runs eagerly: %s", ctx.stage, p.name, p.reason)
+    return ctx.changed(split)

@@ -43,8 +43,7 @@ import torch.fx as fx
 from graphcomp import _compat, memory
 from graphcomp import graph_utils as gu
 from graphcomp.ops import OPS
-from graphcomp.pipeline import PassContext, register_pass
-from graphcomp.state import STATE
+from graphcomp.pipeline import PassContext, PassResult, register_pass
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -167,15 +166,13 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
 
 
 @register_pass("schedule_free", stages=("joint",), after=("fuse_allgather_downcast", "bucket_collectives"))
-def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.stage != "joint" or not _compat.is_joint_graph(gm):
-        ctx.nothing("no backward in this graph (inference): nothing to free for")
-        return gm
+        return ctx.unchanged(gm, "no backward in this graph (inference): nothing to free for")
     bwd = memory.backward_nodes(gm)
     groups = gather_groups(gm, bwd)
     if not groups:
-        ctx.nothing("no all_gather_into_tensor in the joint graph (unsharded model or world size 1)")
-        return gm
+        return ctx.unchanged(gm, "no all_gather_into_tensor in the joint graph (unsharded model or world size 1)")
     Policy = _compat.checkpoint_policy()
     mode = ctx.config.reshard_after_forward
     reason = None
@@ -192,8 +189,7 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             log.warning("graphcomp schedule_free (frame %s): %s", ctx.frame_id, reason)
             ctx.note(reason)
             ctx.count("budget_infeasible")
-            STATE.counters["memory_budget_infeasible"] += 1
-            ctx.frame_data["memory_budget_infeasible"] = reason
+            ctx.counter("memory_budget_infeasible", 1)
     else:
         kept = set() if mode else set(range(len(groups)))
         reshard = set().union(*(g.roots() for i, g in enumerate(groups) if i not in kept))
@@ -212,14 +208,6 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.count("nodes_tagged", n_tagged)
     ctx.count("estimated_peak_bytes", est.peak_bytes)
     ctx.note(f"estimated joint peak {est.peak_bytes} bytes at {est.peak_node}")
-    ctx.frame_data["schedule_free"] = {
-        "resharded": [g.coll.name for i, g in enumerate(groups) if i not in kept],
-        "kept": [g.coll.name for i, g in enumerate(groups) if i in kept],
-        "estimate": est.to_json(),
-        "reason": reason,
-    }
-    STATE.counters["gathers_resharded"] += n_resh
-    # tags live in node.meta, which gm.code does not show: say so (the pipeline
-    # compares gm.code to decide "changed")
-    ctx.nothing(f"tags only (node.meta['recompute']): {n_resh} gathers resharded, {len(kept)} kept")
-    return gm
+    ctx.counter("gathers_resharded", n_resh)
+    # the code is unchanged; the partitioner's plan (node.meta['recompute']) is what changed
+    return ctx.changed(gm, f"tagged for the partitioner: {n_resh} gathers resharded, {len(kept)} kept")

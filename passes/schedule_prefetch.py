@@ -43,9 +43,9 @@ import torch
 import torch.fx as fx
 
 from graphcomp import graph_utils as gu
-from graphcomp import memory, pipeline
+from graphcomp import memory
 from graphcomp.ops import OPS
-from graphcomp.pipeline import PassContext, register_pass
+from graphcomp.pipeline import PassContext, PassResult, register_pass
 
 from .schedule_free import PRE_OPS, is_post_op
 
@@ -230,25 +230,16 @@ reorder = gu.priority_topo_sort
 
 # schedule first, then cut pieces (partition_graph keeps the original node order, so
 # a piece boundary never splits the order this pass chose)
-_BEFORE = tuple(n for n in ("partition_graph",) if n in pipeline._REGISTRY)
-
-
-# frame_data key that makes the pass reorder CPU graphs too (unit tests of the reordering)
-CPU_OVERRIDE = "schedule_prefetch_on_cpu"
-
-
-@register_pass("schedule_prefetch", stages=("fwd", "bwd"), before=_BEFORE)
-def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+@register_pass("schedule_prefetch", stages=("fwd", "bwd"), before=("partition_graph",))
+def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not any(gu.collective_kind(n) in ("all_gather", "reduce_scatter") for n in gm.graph.nodes):
-        ctx.nothing("no all_gather / reduce_scatter in the graph")
-        return gm
-    if not gu.has_cuda_tensors(gm) and not ctx.frame_data.get(CPU_OVERRIDE):
+        return ctx.unchanged(gm, "no all_gather / reduce_scatter in the graph")
+    if not gu.has_cuda_tensors(gm) and not ctx.frame.prefetch_cpu_graphs:
         # CPU (gloo): no compute/communication overlap to gain. And with several
         # gloo collectives in flight, multi-rank CPU training crashed intermittently
         # (SIGSEGV / SIGABRT in backward, 2026-11-22; not yet root-caused), so
         # collectives stay waited where they are.
-        ctx.nothing("CPU graph (gloo): collectives stay waited in place (no overlap to gain on the CPU)")
-        return gm
+        return ctx.unchanged(gm, "CPU graph (gloo): collectives stay waited in place (no overlap to gain on the CPU)")
     budget = memory.resolve_budget(ctx.config.memory_budget, gm)
     original = {n: (i,) for i, n in enumerate(gm.graph.nodes)}
     before = memory.estimate(gm)
@@ -286,12 +277,12 @@ def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             ctx.count(k, v)
     ctx.count("estimated_peak_bytes_before", before.peak_bytes)
     ctx.count("estimated_peak_bytes_after", after.peak_bytes)
-    ctx.frame_data[f"memory_estimate:{ctx.stage}"] = after.to_json()
     if budget is not None and before.peak_bytes > budget:
         msg = (f"estimated peak {before.peak_bytes} bytes (at {before.peak_node}) is over memory_budget={budget} "
                f"bytes before any prefetch (infeasible here); the schedule was kept from raising it")
         ctx.note(msg)
         log.warning("graphcomp schedule_prefetch (frame %s %s): %s", ctx.frame_id, ctx.stage, msg)
     if not changed:
-        ctx.nothing("every collective already sits at its scheduled place (caps reached or nothing to overlap)")
-    return gm
+        return ctx.unchanged(gm, "every collective already sits at its scheduled place (caps reached or nothing "
+                                 "to overlap)")
+    return ctx.changed(gm)

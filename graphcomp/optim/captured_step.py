@@ -1,6 +1,11 @@
 """CapturedStep: the step callable of :func:`graphcomp.optim.capture` (its design is
 described in ``graphcomp/optim/__init__.py``): plan each call on the host, warm up,
-capture, replay, or run eagerly."""
+capture, replay, or run eagerly.
+
+(Over graphcomp's ~500-line guideline: one class whose host-side checks, capture and
+replay share the same bound state -- gradient addresses, hyper-parameter tensors, the
+norm and skip buffers; split across modules, each half would reach into the other's
+fields.)"""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch
 
 from .. import _compat
 from ..runtime.manager import RUNTIME
-from ..state import STATE
+from ..session import SESSION
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +127,7 @@ class CapturedStep:
         if self.require:
             raise ValueError(f"graphcomp.optim.capture(cudagraphs='require'): cannot capture the step of "
                              f"{type(self.opt).__name__}: {why}")
-        STATE.counters["optimizer_fallbacks"] += 1
+        SESSION.counters.add("optimizer_fallbacks")
         msg = f"graphcomp.optim: {self.name}: {why}; running clipping and the optimizer step eagerly"
         if warn:
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
@@ -140,7 +145,7 @@ class CapturedStep:
         """The captured path, run eagerly from now on (same numerics as its replays)."""
         if self.mode != "eager":
             if not warned:
-                STATE.counters["optimizer_fallbacks"] += 1
+                SESSION.counters.add("optimizer_fallbacks")
                 warnings.warn(f"graphcomp.optim: {self.name}: {why}; running the step eagerly from now on",
                               RuntimeWarning, stacklevel=4)
             self.mode, self.reason = "eager", why
@@ -290,7 +295,7 @@ class CapturedStep:
         ran = bool(self._finite) if self.skip else True
         if ran:
             self._initialized.update(id(p) for p in self._step_params)
-        STATE.counters["optimizer_steps_eager"] += 1
+        SESSION.counters.add("optimizer_steps_eager")
         self.sync_counters()
 
     def _reference_step(self) -> None:
@@ -303,9 +308,9 @@ class CapturedStep:
         if self._norm is None or self._norm.device != local.device:
             self._norm = torch.zeros((), dtype=local.dtype, device=local.device)
         self._norm.copy_(local)
-        STATE.counters["optimizer_steps_eager"] += 1
+        SESSION.counters.add("optimizer_steps_eager")
         if self.skip and not bool(torch.isfinite(local)):
-            STATE.counters["optimizer_steps_skipped_nonfinite"] += 1
+            SESSION.counters.add("optimizer_steps_skipped_nonfinite")
             return
         if self.max_norm is not None:
             nn_utils.clip_grads_with_norm_(params, self.max_norm, total, self.foreach)
@@ -365,7 +370,7 @@ class CapturedStep:
         self._static_ptrs = tuple(t.data_ptr() for t in self._static_tensors())
         self._replays_checked = 0
         self._hyper = self._hyper_key()
-        STATE.counters["optimizer_captures"] += 1
+        SESSION.counters.add("optimizer_captures")
         self.mode = "captured"
         self._decide(f"captured ({len(with_grad)} parameters with gradients; gradients "
                      f"{'copied into static buffers' if self._copy_mode else 'read in place'})")
@@ -453,7 +458,7 @@ class CapturedStep:
         self._decide(f"re-capture: {why}")
         self._drop_graph()
         self._recaptures += 1
-        STATE.counters["optimizer_recaptures"] += 1
+        SESSION.counters.add("optimizer_recaptures")
 
     def _capture_plan(self, with_grad: list[torch.Tensor]) -> str:
         if self._recaptures > self.max_recaptures:
@@ -475,9 +480,9 @@ class CapturedStep:
         if self._copy_mode:
             src = self._local_grads(self._with_grad)
             torch._foreach_copy_(self._grad_bufs, src)
-            STATE.counters["optimizer_grad_copy_bytes"] += sum(t.numel() * t.element_size() for t in src)
+            SESSION.counters.add("optimizer_grad_copy_bytes", sum(t.numel() * t.element_size() for t in src))
         self._graph.replay()
-        STATE.counters["optimizer_steps_captured"] += 1
+        SESSION.counters.add("optimizer_steps_captured")
 
     @property
     def last_norm(self) -> torch.Tensor | None:
@@ -519,7 +524,7 @@ class CapturedStep:
         if self._skipped is None or self.mode == "reference":
             return 0
         n = int(self._skipped)
-        STATE.counters["optimizer_steps_skipped_nonfinite"] += n - self._skipped_seen
+        SESSION.counters.add("optimizer_steps_skipped_nonfinite", n - self._skipped_seen)
         self._skipped_seen = n
         return n
 

@@ -1,8 +1,10 @@
 """Codegen of a split stage graph: compile each piece, wrap it in a runner, run the glue.
 
-``compile_pieces(split, stage, cfg, compile_piece, frame_data)`` takes the
-GraphModule ``partition_graph`` produced (glue graph calling ``piece_<i>``
-submodules) and returns a boxed callable (``fn(list) -> outputs``) for AOTAutograd:
+``compile_pieces(split_plan, stage_inputs, cfg, compile_piece)`` takes the
+:class:`~graphcomp.plan.SplitPlan` ``partition_graph`` produced (its glue graph calls
+``piece_<i>`` submodules; the cudagraphs pass put a runner plan on each captured
+:class:`~graphcomp.plan.Piece`) and returns a boxed callable (``fn(list) -> outputs``)
+for AOTAutograd:
 
 * every piece's output is normalised to a tuple (2.11's ``split_module`` has no
   ``tuple_return``; ``compile_fx_inner`` needs a tuple);
@@ -27,6 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..plan import SplitPlan, StageInputs
 from .manager import RUNTIME
 from .runner import CudaGraphRunner, EagerPiece
 
@@ -82,45 +85,39 @@ def _glue_static_idxs(split: fx.GraphModule, static_idxs: list[int]) -> dict[str
 
 
 def compile_pieces(
-    split: fx.GraphModule,
-    stage: str,
+    plan: SplitPlan,
+    inputs: StageInputs,
     cfg: Any,
     compile_piece: Callable[[fx.GraphModule, list[Any], list[int]], Callable[[list[Any]], Any]],
-    frame_data: dict[str, Any] | None = None,
     report_strides: bool = False,
     frame_id: int | None = None,
 ) -> Callable[[list[Any]], Any]:
-    """Compile every piece of ``split`` and return a boxed callable for the stage."""
-    pieces = split.meta["graphcomp_pieces"]
-    plan = split.meta.get("graphcomp_cudagraphs", {})
-    static_idxs = list((frame_data or {}).get(f"static_input_idxs:{stage}", []))
+    """Compile every piece of ``plan.split`` and return a boxed callable for the stage."""
+    split, stage = plan.split, plan.stage
     prefix = f"frame{frame_id}/{stage}" if frame_id is not None else stage
-    glue_static = _glue_static_idxs(split, static_idxs)
+    glue_static = _glue_static_idxs(split, list(inputs.static_idxs))
     piece_strides: dict[str, list[Any]] = {}
     calls = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
-    for name, row in pieces.items():
+    for piece in plan.pieces:
+        name = piece.name
         sub = getattr(split, name)
         if not isinstance(sub, fx.GraphModule):
             continue
         single = normalize_output(sub)
         ex = piece_example_inputs(sub)
-        p = plan.get(name)
-        if p is not None:
-            sidx = [i for i, k in enumerate(p["input_kinds"]) if k not in ("copy", "scalar")]
+        kinds = piece.input_kinds if piece.captured else None
+        if kinds is not None:
+            sidx = [i for i, k in enumerate(kinds) if k not in ("copy", "scalar")]
         else:
             sidx = glue_static.get(name, [])
         compiled, strides = _compile_one(compile_piece, sub, ex, sidx, report_strides)
         piece_strides[name] = strides
         node = calls.get(name)
         names = [a.name if isinstance(a, fx.Node) else repr(a) for a in (node.args if node is not None else ())]
-        stats_row = None
-        for r in (frame_data or {}).get(f"partitions:{stage}", []):
-            if f"piece_{r.get('piece')}" == name:
-                stats_row = r
-        if p is not None and RUNTIME.device.available():
+        if kinds is not None and RUNTIME.device.available():
             impl: Any = CudaGraphRunner(
-                f"{prefix}/{name}", compiled, p["input_kinds"],
-                clone_outputs=set(p["clone_outputs"]),
+                f"{prefix}/{name}", compiled, kinds,
+                clone_outputs=set(piece.clone_outputs),
                 # forward outputs (the loss) are small and often kept for logging: always
                 # copied; gradients are handed out of the pool per Config.copy_outputs
                 copy_outputs=cfg.copy_outputs if stage == "bwd" else "always",
@@ -128,11 +125,10 @@ def compile_pieces(
                 check_static_inputs=cfg.check_static_inputs,
                 on_address_change=cfg.on_address_change,
                 input_names=names,
-                stats_row=stats_row,
+                stats=piece.stats,
                 require=cfg.cudagraphs == "require",
                 dynamic=_has_symbolic_shapes(ex),
             )
-            row["runner"] = "CudaGraphRunner"
         else:
             impl = EagerPiece(f"{prefix}/{name}", compiled)
         setattr(split, name, _PieceModule(impl, single))
@@ -201,7 +197,6 @@ def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
         raise AssertionError("graphcomp: glue graph without an output node")
 
     run._boxed_call = True  # type: ignore[attr-defined]
-    run.graphcomp_split = split  # type: ignore[attr-defined]
     return run
 
 

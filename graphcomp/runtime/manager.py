@@ -1,7 +1,7 @@
 """The one owned runtime object: shared CUDA-graph pool, capture stream, runners.
 
-``RUNTIME`` is the only module-level mutable object of the runtime (``reset()``
-drops everything). It holds:
+``RUNTIME`` is the runtime part of the session (``graphcomp.session.SESSION.runtime``,
+the same object; ``graphcomp.reset()`` resets it in place). It holds:
 
 * the memory pool every captured graph allocates from (``torch.cuda.graph_pool_handle()``),
 * the side stream every warm-up and capture runs on,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..session import SESSION
 from .device import CudaDevice
 from .pool import PoolLedger
 
@@ -71,10 +73,7 @@ class Runtime:
             from .. import _compat
 
             _compat.wrap_destroy_process_group()
-            global _ATEXIT_REGISTERED
-            if not _ATEXIT_REGISTERED:
-                atexit.register(teardown)
-                _ATEXIT_REGISTERED = True
+            _register_atexit()
             self._setup_done = True
 
     def register(self, runner: Any) -> None:
@@ -172,7 +171,13 @@ class Runtime:
 
 
 RUNTIME = Runtime()
-_ATEXIT_REGISTERED = False
+SESSION.runtime = RUNTIME  # owned by the session: graphcomp.reset() resets it
+
+
+@functools.lru_cache(None)
+def _register_atexit() -> None:
+    """Once per process: tear down at interpreter exit."""
+    atexit.register(teardown)
 
 
 def _teardown_before_destroy() -> None:

@@ -13,6 +13,7 @@ run eagerly; this module only answers what a replay would overwrite.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,9 +55,10 @@ import torch
 
 from ..errors import CaptureFailed as _CaptureFailed
 from ..errors import CudaGraphsRequired, StaticAddressError, failing_source as _failing_source
-from ..state import STATE
+from ..plan import PieceStats
+from ..session import SESSION
 from .manager import RUNTIME
-from .pool import Capture, Released, _storage_id, _storage_ptr  # noqa: F401 (Released: for tests)
+from .pool import Capture, _storage_id, _storage_ptr
 from .static import memory_of, static_buffer
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class CudaGraphRunner:
         check_static_inputs: str = "first",
         on_address_change: str = "error",
         input_names: Sequence[str] | None = None,
-        stats_row: dict[str, Any] | None = None,
+        stats: PieceStats | None = None,
         require: bool = False,
         dynamic: bool = False,
     ):
@@ -117,19 +117,20 @@ class CudaGraphRunner:
         self.captures: dict[tuple[Any, ...], Capture] = {}
         self._warned: set[str] = set()
         self._static_slots: list[int] = []
-        # the piece's row in the frame summary (graphcomp inspect): captures, pool bytes
-        self.stats_row = stats_row if stats_row is not None else {}
+        # what this runner learns at run time (its piece's row in summaries and `graphcomp inspect`)
+        self.stats = stats if stats is not None else PieceStats()
+        self.stats.runner = type(self).__name__
         self.released = False  # set by teardown(): from then on every call runs eagerly
         RUNTIME.ensure()
         RUNTIME.register(self)
-        STATE.counters["pieces_captured"] += 1
+        SESSION.counters.add("pieces_captured")
 
     # ------------------------------------------------------------ helpers
     def _warn(self, key: str, msg: str, fallback: bool = True) -> None:
         """Log ``msg`` (warn once per key); ``fallback``: this call runs eagerly
         because of a runtime hazard (``cudagraph_fallbacks``)."""
         if fallback:
-            STATE.counters["cudagraph_fallbacks"] += 1
+            SESSION.counters.add("cudagraph_fallbacks")
         if key in self._warned:
             log.debug(msg)
             return
@@ -178,7 +179,7 @@ class CudaGraphRunner:
                     changed = True
         if changed and self.captures:  # captures of other shapes have no buffer for that input
             self.release()
-            STATE.counters["recaptures"] += 1
+            SESSION.counters.add("recaptures")
 
     def _capture(self, args: list[Any]) -> Capture:
         """Warm up, trial-capture, then capture on ``args``, which the real capture
@@ -251,12 +252,12 @@ class CudaGraphRunner:
         # is kept and tracked (the next copy overwrites it)
         cap.release_outputs(list(outs), self.visible, in_index, buf_storages)
         del outs
-        STATE.counters["captures"] += 1
+        SESSION.counters.add("captures")
         pool = sum(rel.nbytes for rel in cap.released.values())
         pool += sum(o.numel() * o.element_size() for o in cap.outputs if isinstance(o, torch.Tensor))
         pool += sum(b.numel() * b.element_size() for b in cap.bases.values())
-        self.stats_row["captures"] = self.stats_row.get("captures", 0) + 1
-        self.stats_row["pool_bytes"] = self.stats_row.get("pool_bytes", 0) + pool  # outputs + buffers
+        self.stats.captures += 1
+        self.stats.pool_bytes += pool  # outputs + buffers
         log.info("graphcomp: captured %s (%d capture(s))", self.name, len(self.captures) + 1)
         return cap
 
@@ -268,10 +269,9 @@ class CudaGraphRunner:
         fallbacks: the piece is eager by decision, as if partition_graph had cut it."""
         self.disabled = reason
         self.release()
-        self.stats_row["mode"] = "eager"
-        self.stats_row["reason"] = f"{kind}: {reason}"
-        STATE.counters["capture_failures" if kind == "capture_failed" else "pieces_turned_eager"] += 1
-        STATE.counters["pieces_eager"] += 1
+        self.stats.turned_eager = f"{kind}: {reason}"
+        SESSION.counters.add("capture_failures" if kind == "capture_failed" else "pieces_turned_eager")
+        SESSION.counters.add("pieces_eager")
         if kind == "capture_failed":
             msg = (f"graphcomp: CUDA-graph piece {self.name} cannot be captured ({reason}); it runs eagerly from now "
                    f"on. Ops that synchronize with the host or allocate host memory cannot be captured: move them "
@@ -411,7 +411,7 @@ class CudaGraphRunner:
             for i in self._static_slots:
                 cap.inputs[i] = None
         cap.replays += 1
-        STATE.counters["replays"] += 1
+        SESSION.counters.add("replays")
         if fresh:
             # memory of other pieces' released outputs that was free by the end of this
             # capture: this graph may write it (checked before each replay)
@@ -427,7 +427,7 @@ class CudaGraphRunner:
                 out.append(o)
             elif i in self.copy_now:
                 out.append(o.clone())
-                STATE.counters["cudagraph_output_copy_bytes"] += o.numel() * o.element_size()
+                SESSION.counters.add("cudagraph_output_copy_bytes", o.numel() * o.element_size())
             else:
                 out.append(o.detach())
         return tuple(out)
@@ -443,7 +443,7 @@ class CudaGraphRunner:
                 self._warn("max", f"graphcomp: piece {self.name} has reached max_captures={self.max_captures} "
                                   f"input-shape signatures; running new shapes eagerly (inputs whose shapes vary "
                                   f"with the data: pad them to a few sizes, or raise max_captures)", fallback=False)
-                STATE.counters["pieces_eager_calls"] += 1
+                SESSION.counters.add("pieces_eager_calls")
                 return None, False
             return self._new_capture(sig, args, None)
         hazard = self._hazard(cap, args)
@@ -485,9 +485,9 @@ class CudaGraphRunner:
             self.captures.pop(sig).release()
         if why == "hazard":
             self.hazard_recaptures += 1
-            STATE.counters["hazard_recaptures"] += 1
+            SESSION.counters.add("hazard_recaptures")
         elif why is not None:
-            STATE.counters["recaptures"] += 1
+            SESSION.counters.add("recaptures")
         try:
             cap = self._capture(args)
         except _CaptureFailed as e:
@@ -503,7 +503,7 @@ class EagerPiece:
     def __init__(self, name: str, fn: Callable[[list[Any]], Any]):
         self.name = name
         self.fn = fn
-        STATE.counters["pieces_eager"] += 1
+        SESSION.counters.add("pieces_eager")
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         return self.call(list(args))

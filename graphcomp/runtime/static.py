@@ -24,8 +24,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-STATIC_KINDS = ("param", "saved", "piece_output", "copy", "scalar")
-
 
 def _is_tensor_node(n: Any) -> bool:
     if not isinstance(n, fx.Node):

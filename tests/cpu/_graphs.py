@@ -17,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphcomp.config import Config
 from graphcomp.pipeline import PassContext, get_pass
+from graphcomp.plan import FramePlan
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -43,11 +44,11 @@ def reduce_scatter(g, world, group):
 def run_pass(name, gm, stage="joint", **options):
     cfg = Config.from_options(options)
     # hand-built graphs are CPU graphs: test the reordering passes on them anyway
-    ctx = PassContext(config=cfg, frame_id=0, stage=stage, frame_data={"schedule_prefetch_on_cpu": True})
+    ctx = PassContext(config=cfg, frame_id=0, stage=stage, frame=FramePlan(prefetch_cpu_graphs=True))
     from graphcomp.pipeline import PassRecord
 
     ctx.record = PassRecord(name=name, stage=stage, enabled=True)
-    gm = get_pass(name).fn(gm, ctx)
+    gm = get_pass(name).fn(gm, ctx).gm
     gm.graph.lint()
     gm.recompile()
     return gm, ctx.record

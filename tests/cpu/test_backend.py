@@ -10,7 +10,7 @@ import torch
 
 import graphcomp
 from graphcomp.models import Llama, TinyMLP, synthetic_batch
-from graphcomp.state import STATE
+from graphcomp.session import SESSION
 
 
 def test_backend_discovered_without_import():
@@ -103,7 +103,7 @@ def test_inference_frames(codegen):
     x = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(cm(x), m(x))
-    (frame,) = STATE.frames
+    (frame,) = SESSION.frames.to_json()
     assert set(frame["stages"]) == {"dynamo", "inference", "fwd"}
     with torch.inference_mode():
         torch.testing.assert_close(cm(x), m(x))

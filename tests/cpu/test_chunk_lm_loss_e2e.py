@@ -9,7 +9,6 @@ import torch
 
 import graphcomp
 from graphcomp.models import Llama, synthetic_batch
-from graphcomp.state import STATE
 
 from _dist import DistPool
 
@@ -41,7 +40,7 @@ def _train_llama(on, codegen, steps=3):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return torch.stack(losses), grads, [p.detach().clone() for p in m.parameters()], list(STATE.frames)
+    return torch.stack(losses), grads, [p.detach().clone() for p in m.parameters()], graphcomp.frame_summaries()
 
 
 def _close(a, b, rtol=RTOL, atol=ATOL):
@@ -96,7 +95,7 @@ def _train_hf(on, codegen, steps=3):
         opt.zero_grad(set_to_none=True)
         losses.append(out.loss.detach())
         logits.append(out.logits.detach())
-    return torch.stack(losses), grads, [p.detach().clone() for p in m.parameters()], logits, list(STATE.frames)
+    return torch.stack(losses), grads, [p.detach().clone() for p in m.parameters()], logits, graphcomp.frame_summaries()
 
 
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])
@@ -120,7 +119,7 @@ def _train_sharded_with_collectives(rank, world, cfg):
 
     losses, params, counters = _train_sharded(rank, world, cfg)
     colls = [(st, c["kind"], c["dtype"], c["bytes"], c.get("params"))
-             for f in STATE.frames for st, d in f["stages"].items() for c in d["collectives"]]
+             for f in graphcomp.frame_summaries() for st, d in f["stages"].items() for c in d["collectives"]]
     return losses, params, counters, colls
 
 

@@ -296,7 +296,7 @@ def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
     c = graphcomp.counters
     assert c["captures"] >= 2 and c["replays"] >= 8, dict(c)
     assert c["pieces_eager"] >= 1
-    frame = graphcomp._STATE.frames[0]
+    frame = graphcomp.frame_summaries()[0]
     modes = [p["mode"] for p in frame["stages"]["fwd"]["partitions"]]
     assert "cudagraph" in modes and "eager" in modes
     captured = [p for p in frame["stages"]["fwd"]["partitions"] if p["mode"] == "cudagraph"]

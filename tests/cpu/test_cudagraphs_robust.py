@@ -14,6 +14,7 @@ import torch
 import graphcomp
 from _fakecuda import install_fake_device
 from graphcomp.errors import CudaGraphsRequired
+from graphcomp.plan import Piece
 from graphcomp.runtime.runner import CudaGraphRunner
 from graphcomp.runtime.static import memory_of, span, static_buffer
 
@@ -71,8 +72,8 @@ def _fails_under_capture(dev):
 
 
 def test_capture_failure_auto_runs_eagerly_for_good_with_reason(fake_device):
-    row = {"piece": 0, "mode": "cudagraph"}
-    r = _runner(_fails_under_capture(fake_device), ["copy"], clone_outputs={0}, stats_row=row)
+    piece = Piece(0, "cudagraph", 1)
+    r = _runner(_fails_under_capture(fake_device), ["copy"], clone_outputs={0}, stats=piece.stats)
     with pytest.warns(RuntimeWarning, match=r"fwd/piece_0 cannot be captured.*trial capture.*not permitted"):
         (y,) = r(torch.ones(3))
     assert y.tolist() == [2.0, 2.0, 2.0]
@@ -84,6 +85,7 @@ def test_capture_failure_auto_runs_eagerly_for_good_with_reason(fake_device):
     c = graphcomp.counters
     assert c["capture_failures"] == 1 and c["captures"] == 0 and c["replays"] == 0
     assert fake_device.trials == 1
+    row = piece.row()
     assert row["mode"] == "eager" and row["reason"].startswith("capture_failed: trial capture: RuntimeError")
     assert r.disabled is not None
 

@@ -23,8 +23,8 @@ def _relu_to_sigmoid(gm, ctx):
             n.target = torch.ops.aten.sigmoid.default
             ctx.count("relu_replaced")
     if not ctx.record.counts:
-        ctx.nothing("no relu in this graph")
-    return gm
+        return ctx.unchanged(gm, "no relu in this graph")
+    return ctx.changed(gm)
 
 
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])

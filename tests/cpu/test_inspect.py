@@ -21,8 +21,8 @@ def _gelu_to_relu(gm, ctx):
             n.kwargs = {}
             ctx.count("gelu_replaced")
     if not ctx.record.counts:
-        ctx.nothing("no gelu in this graph")
-    return gm
+        return ctx.unchanged(gm, "no gelu in this graph")
+    return ctx.changed(gm)
 
 
 def _compile_with_test_pass(tmp_path):

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 
 from graphcomp.config import Config
 from graphcomp.pipeline import PassContext, PassRecord
+from graphcomp.plan import Piece, SplitPlan, StageInputs
 from graphcomp.runtime.static import classify_static_inputs, output_users
 
 import graphcomp.passes.partition_graph as pg
@@ -58,7 +59,7 @@ def ctx_for(stage="fwd", **options):
 def run_partition(gm, stage="fwd", **options):
     ctx = ctx_for(stage, **options)
     ctx.record = PassRecord(name="partition_graph", stage=stage, enabled=True)
-    out = pg.partition_graph(gm, ctx)
+    out = pg.partition_graph(gm, ctx).gm
     return out, ctx
 
 
@@ -229,7 +230,7 @@ def test_no_split_without_cuda_tensors():
     out, ctx = run_partition(gm)
     assert out is gm and out.code == code
     assert "no CUDA tensors" in ctx.record.reason
-    assert "partitions:fwd" not in ctx.frame_data
+    assert "fwd" not in ctx.frame.splits
 
 
 def test_no_split_when_cudagraphs_off():
@@ -248,17 +249,17 @@ def test_split_plan_rows_and_reasons_recorded():
 
     gm = cudaify(fake_trace(f, _x()))
     out, ctx = run_partition(gm)
-    rows = ctx.frame_data["partitions:fwd"]
+    rows = ctx.frame.splits["fwd"].rows()
     assert [r["mode"] for r in rows] == ["cudagraph", "eager", "cudagraph"]
     assert "host_sync" in rows[1]["reason"]
     assert all(set(r) >= {"piece", "mode", "nodes", "reason"} for r in rows)
-    reasons = ctx.frame_data["split_reasons:fwd"]
+    reasons = ctx.frame.splits["fwd"].reasons
     assert all(isinstance(r, pg.SplitReason) for r in reasons)
     with pytest.raises(Exception):
         reasons[0].kind = "x"  # frozen
     subs = [n.target for n in out.graph.nodes if n.op == "call_module"]
     assert subs == ["piece_0", "piece_1", "piece_2"]
-    assert set(out.meta["graphcomp_pieces"]) == set(subs)
+    assert [p.name for p in ctx.frame.splits["fwd"].pieces] == subs and ctx.frame.splits["fwd"].split is out
     assert ctx.record.counts["cut:host_sync"] >= 1
 
 
@@ -301,8 +302,7 @@ def test_static_input_classification():
     args = (torch.randn(4, 4), torch.randn(4), torch.randn(2, 4))
     gm = cudaify(fake_trace(f, *args))
     out, ctx = run_partition(gm, min_piece_nodes=1)
-    pieces = out.meta["graphcomp_pieces"]
-    captured = {k for k, r in pieces.items() if r["mode"] == "cudagraph"}
+    captured = {p.name for p in ctx.frame.splits["fwd"].captured()}
     kinds = classify_static_inputs(out, [0, 1], captured, "fwd")
     calls = {n.target: n for n in out.graph.nodes if n.op == "call_module"}
     for name, ks in kinds.items():
@@ -331,11 +331,14 @@ def test_static_input_classification():
     # would not be switched: a kept one would re-capture the pieces every step.
     from graphcomp.passes.cudagraphs import plan_runners
 
-    plan = plan_runners(out, "bwd", [0, 1], None)
+    split = ctx.frame.splits["fwd"]
+    bwd_plan = SplitPlan("bwd", out, split.source, split.pieces, split.reasons)  # the same graph, as a backward
+    plan_runners(bwd_plan, [0, 1], None)
+    plan = {p.name: p for p in bwd_plan.captured()}
     leaving = output_users(out, None)
     assert plan and any(leaving.get(n) for n in plan)
     for name, p in plan.items():
-        assert set(p["clone_outputs"]) == leaving.get(name, set()), (name, p)
+        assert set(p.clone_outputs) == leaving.get(name, set()), (name, p)
 
 
 # ------------------------------------------------- property: split == original
@@ -398,8 +401,8 @@ def test_split_module_equals_original(ops, mask, min_nodes):
     # and through the codegen (eager pieces, output normalisation, glue)
     from graphcomp.runtime.codegen import compile_pieces
 
-    split.meta["graphcomp_pieces"] = {f"piece_{r['piece']}": dict(r) for r in rows}
-    run = compile_pieces(split, "fwd", Config(), lambda p, ins, s: (lambda a: p(*a)), {})
+    plan = SplitPlan("fwd", split, gm, [Piece(r["piece"], r["mode"], r["nodes"], r["reason"]) for r in rows], [])
+    run = compile_pieces(plan, StageInputs(), Config(), lambda p, ins, s: (lambda a: p(*a)))
     got2 = run([x, y])
     for a, b in zip(ref, got2):
         torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -8,13 +8,12 @@ import torch.fx as fx
 
 from graphcomp import pipeline
 from graphcomp.config import Config
-from graphcomp.pipeline import PassContext, PassSpec, pass_order, run_stage, temporary_registry
+from graphcomp.pipeline import PassContext, PassResult, PassSpec, pass_order, run_stage, temporary_registry
 
 
 def _noop(reason):
     def fn(gm, ctx):
-        ctx.nothing(reason)
-        return gm
+        return ctx.unchanged(gm, reason)
 
     return fn
 
@@ -73,7 +72,7 @@ def _relu_to_sigmoid(gm, ctx):
         if n.target is torch.relu:
             n.target = torch.sigmoid
             ctx.count("rewritten")
-    return gm
+    return ctx.changed(gm)
 
 
 def test_records_toggles_and_semantics():
@@ -101,7 +100,7 @@ def test_noop_pass_keeps_graph_and_says_why():
 def test_silent_noop_is_flagged():
     import graphcomp
 
-    with temporary_registry(spec("silent", lambda gm, ctx: gm)):
+    with temporary_registry(spec("silent", lambda gm, ctx: PassResult(gm, changed=False))):
         _, (rec,) = run_stage(_gm(), PassContext(config=Config.from_options({}), frame_id=0, stage="fwd"))
     assert "no reason given" in rec.reason
     assert graphcomp.counters["silent_noop_passes"] == 1
@@ -118,7 +117,7 @@ def test_debug_lint_names_the_broken_pass():
         relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
         add = next(n for n in gm.graph.nodes if n.target is operator.add)
         relu.args = (add,)  # use before definition: invalid graph
-        return gm
+        return ctx.changed(gm)
 
     with temporary_registry(spec("breaker", breaks)):
         cfg = Config.from_options({"debug": True})

@@ -267,10 +267,10 @@ def test_shard_over_a_subgroup(ranks4):
 
 # ----------------------------------------------------- compiled training
 def _collectives(stage: str) -> list[tuple[str, str, int]]:
-    from graphcomp.state import STATE
+    from graphcomp.session import SESSION as STATE
 
     return [
-        (c["kind"], c["dtype"], c["bytes"]) for f in STATE.frames for c in f["stages"].get(stage, {}).get("collectives", [])
+        (c["kind"], c["dtype"], c["bytes"]) for f in STATE.frames.to_json() for c in f["stages"].get(stage, {}).get("collectives", [])
     ]
 
 
@@ -296,7 +296,7 @@ def _body_compiled(rank: int, world: int, how: str, kinds: tuple[str, ...], accu
         assert all(c[1] == "float32" for c in fwd if c[0] == "all_gather"), fwd
         assert [c for c in fwd if c[0] == "all_gather"], fwd
         assert [c for c in bwd if c[0] == "reduce_scatter"], bwd
-        from graphcomp.state import STATE
+        from graphcomp.session import SESSION as STATE
 
         assert STATE.counters["frames_compiled"] == 1  # fullgraph, no recompiles
         out[kind] = {"losses": losses, "joint": joint, "fwd": fwd, "bwd": bwd}
@@ -521,7 +521,7 @@ def test_bad_input_errors(pg1):
 
 
 def test_world_size_one_has_no_collectives(pg1, caplog):
-    from graphcomp.state import STATE
+    from graphcomp.session import SESSION as STATE
 
     ref = _make("zoo")
     model = copy.deepcopy(ref)
@@ -537,7 +537,7 @@ def test_world_size_one_has_no_collectives(pg1, caplog):
     rl = ref(x, y)
     rl.backward()
     torch.testing.assert_close(loss, rl)
-    for f in STATE.frames:
+    for f in STATE.frames.to_json():
         for stage, d in f["stages"].items():
             assert d["collectives"] == [], (stage, d["collectives"])
     torch.testing.assert_close(model._parameters["row"].grad.to_local(), ref.row.grad)

@@ -100,7 +100,7 @@ def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_t
         "peak": peak,
         "step_peaks": step_peaks,
         "step_reserved": step_reserved,
-        "pool_bytes": sum(r.get("pool_bytes", 0) for f in graphcomp.state.STATE.frames
+        "pool_bytes": sum(r.get("pool_bytes", 0) for f in graphcomp.frame_summaries()
                           for d in f["stages"].values() for r in d.get("partitions", [])),
         "seconds": time.perf_counter() - t0,
         "pool_reserved": _pool_reserved(),

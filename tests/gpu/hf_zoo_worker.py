@@ -60,7 +60,7 @@ def _counters() -> dict[str, int]:
 
 def _pieces() -> list[dict]:
     rows = []
-    for f in graphcomp.state.STATE.frames:
+    for f in graphcomp.frame_summaries():
         for stage, d in f["stages"].items():
             for r in d.get("partitions", []):
                 rows.append({"frame": f["frame"], "stage": stage, **{k: v for k, v in r.items() if k != "runner"}})

@@ -126,7 +126,7 @@ def _measure(options, steps=8):
         m.weight.grad = h.grad = None
     peak = torch.cuda.max_memory_allocated() - base
     est = max((d.get("memory") or {}).get("peak_bytes_inductor", 0)
-              for f in graphcomp._STATE.frames for st, d in f["stages"].items() if st in ("fwd", "bwd"))
+              for f in graphcomp.frame_summaries() for st, d in f["stages"].items() if st in ("fwd", "bwd"))
     return {"peak_over_steady_gib": peak / GIB, "est_stage_peak_gib": est / GIB,
             "step_ms_median": 1e3 * statistics.median(times[2:]), "loss": losses[-1]}
 

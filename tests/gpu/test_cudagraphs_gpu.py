@@ -71,7 +71,7 @@ def test_item_model_is_partitioned_and_correct(codegen):
     torch.testing.assert_close(l, ref_l, **tol)
     for a, b in zip(p, ref_p):
         torch.testing.assert_close(a, b, **tol)
-    frame = graphcomp._STATE.frames[0]
+    frame = graphcomp.frame_summaries()[0]
     modes = [r["mode"] for r in frame["stages"]["fwd"]["partitions"]]
     assert "eager" in modes and "cudagraph" in modes, frame["stages"]["fwd"]["partitions"]
     reasons = " ".join(r["reason"] for r in frame["stages"]["fwd"]["partitions"])
@@ -266,7 +266,7 @@ def test_capture_failure_auto_trains_on_with_the_piece_eager():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     c = graphcomp.counters
     assert c["capture_failures"] >= 1, dict(c)
-    rows = [r for f in graphcomp.state.STATE.frames for d in f["stages"].values() for r in d.get("partitions", [])]
+    rows = [r for f in graphcomp.frame_summaries() for d in f["stages"].values() for r in d.get("partitions", [])]
     failed = [r for r in rows if str(r.get("reason", "")).startswith("capture_failed")]
     assert failed and all(r["mode"] == "eager" for r in failed), rows
     assert "not permitted" in failed[0]["reason"] or "capturing" in failed[0]["reason"], failed[0]

@@ -1,0 +1,107 @@
+"""The one owned session object: counters, frame summaries, eager gather scopes and
+the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
+
+``SESSION`` is graphcomp's only process-wide mutable object. Its parts:
+
+* ``counters`` -- :class:`graphcomp.counters.Counters` (``graphcomp.counters``);
+* ``frames`` -- a bounded log of :class:`FrameRecord` (one per compiled frame), what
+  ``summary.json`` and ``graphcomp.frame_summaries()`` render;
+* ``scopes`` -- open eager gather scopes (``graphcomp.gather_scope``);
+* ``pass_registry`` -- the passes the pipeline runs (built once from
+  ``graphcomp.pipeline.PASS_ORDER``; kept by ``reset()``);
+* ``runtime`` -- the CUDA-graph runtime (``graphcomp.runtime.manager.Runtime``: pool,
+  capture stream, runners, ledger). The runtime package creates it and attaches it here
+  when it is imported, so this module imports nothing of graphcomp.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .counters import Counters
+
+FRAME_LOG_LIMIT = 1000
+"""Frame summaries kept per process; older ones are dropped (and counted)."""
+
+
+@dataclass
+class FrameRecord:
+    """The summary of one compiled frame. ``info`` and ``stages`` hold what the
+    backend recorded at compile time; ``plan`` (a :class:`graphcomp.plan.FramePlan`)
+    renders each stage's pieces when the record is written, so runner statistics
+    gathered at run time show up."""
+
+    info: dict[str, Any]
+    plan: Any
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def frame_id(self) -> int:
+        return self.info["frame"]
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.info)
+        stages = {}
+        for name, st in self.stages.items():
+            split = self.plan.splits.get(name) if self.plan is not None else None
+            stages[name] = {**st, "partitions": split.rows() if split is not None else []}
+        out["stages"] = stages
+        return out
+
+
+class FrameLog:
+    """The last ``FRAME_LOG_LIMIT`` frame records, in compile order."""
+
+    def __init__(self, limit: int = FRAME_LOG_LIMIT) -> None:
+        self._records: collections.deque[FrameRecord] = collections.deque(maxlen=limit)
+        self.dropped = 0
+
+    def append(self, rec: FrameRecord) -> None:
+        if len(self._records) == self._records.maxlen:
+            self.dropped += 1
+        self._records.append(rec)
+
+    def __iter__(self) -> Iterator[FrameRecord]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def clear(self) -> None:
+        self._records.clear()
+        self.dropped = 0
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [r.to_json() for r in self._records]
+
+
+class Session:
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self.frames = FrameLog()
+        # open eager gather scopes: id(module) -> {name: gathered tensor} (graphcomp.gather_scope)
+        self.scopes: dict[int, dict[str, Any]] = {}
+        self.runtime: Any = None  # attached by graphcomp.runtime.manager
+        # the pass registry (graphcomp.pipeline builds it on first use; reset() keeps it)
+        self.pass_registry: Any = None
+        self._frame_ids = itertools.count()
+
+    def next_frame_id(self) -> int:
+        return next(self._frame_ids)
+
+    def reset(self) -> None:
+        """Zero the counters, forget frame summaries and scopes, and tear the runtime
+        down (every captured graph released; a fresh pool and stream on next use)."""
+        self.counters.reset()
+        self._frame_ids = itertools.count()
+        self.frames.clear()
+        self.scopes.clear()
+        if self.runtime is not None:
+            self.runtime.reset()
+
+
+SESSION = Session()
