@@ -211,9 +211,11 @@ def graph_trainer_reason() -> str:
         return f"torchtitan not importable ({type(e).__name__}: {e}); see benchmarks/fetch_wheels.sh"
     version = getattr(torchtitan, "__version__", "?")
     try:
-        import torchtitan.experiments.graph_trainer  # noqa: F401
-        from torchtitan.experiments.graph_trainer import trainer  # noqa: F401
+        import torchtitan.experiments.graph_trainer.trainer  # noqa: F401
     except ModuleNotFoundError as e:
+        if e.name not in ("torchtitan.experiments.graph_trainer", "torchtitan.experiments.graph_trainer.trainer"):
+            return (f"torchtitan {version}: experiments.graph_trainer does not import "
+                    f"(missing module {e.name!r}: {e})")
         gt = f"torchtitan {version} has no experiments.graph_trainer ({e})"
     except Exception as e:  # noqa: BLE001
         return (f"torchtitan {version}: experiments.graph_trainer does not import on torch {torch.__version__} "
