@@ -54,6 +54,8 @@ est() {
     W1:graphcomp*) echo 90 ;;   W2:graphcomp*) echo 120 ;;
     W1:deepspeed_z3) echo 30 ;; W2:deepspeed_z3) echo 45 ;;
     W1:deepcompile) echo 150 ;; W2:deepcompile) echo 180 ;;  # + ~60 s JIT build of its op, first time
+    W1:simplefsdp) echo 90 ;;   W2:simplefsdp) echo 130 ;;  # guesses: one Inductor compile of the whole model
+    *:graph_trainer) echo 2 ;;                               # reports "not run" (torchtitan_systems.py)
     hf-*:graphcomp*) echo 60 ;; hf-*:fsdp2_compile) echo 20 ;; hf-*:fsdp2) echo 12 ;;
     hf-*:ddp_compile|hf-*:inductor) echo 40 ;; hf-*:ddp) echo 12 ;;
     *) echo 60 ;;
@@ -73,11 +75,11 @@ n_workloads() {
 default_systems() {
   case "$1:$2" in
     W1:1) echo "graphcomp,inductor" ;;
-    W1:2) echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,deepspeed_z3,deepcompile" ;;
-    W2:2) echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile" ;;
+    W1:2) echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,simplefsdp,graph_trainer,deepspeed_z3,deepcompile" ;;
+    W2:2) echo "graphcomp,fsdp2_compile,simplefsdp,graph_trainer,deepcompile" ;;
     hf-*:1) echo "graphcomp,inductor" ;;
     hf-*) echo "graphcomp,fsdp2_compile,fsdp2" ;;
-    *)    echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,deepspeed_z3,deepcompile" ;;
+    *)    echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,simplefsdp,deepspeed_z3,deepcompile" ;;
   esac
 }
 
@@ -95,12 +97,12 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/
 if [ -d .whl ]; then
   if bash benchmarks/install_offline.sh >>"$LOG" 2>&1; then
     export PYTHONPATH="${BENCH_SITE:-/tmp/site}${PYTHONPATH:+:$PYTHONPATH}"
-    say "DeepSpeed installed offline from .whl ($(python3 -c 'import deepspeed; print(deepspeed.__version__)' 2>/dev/null))"
+    say "DeepSpeed installed offline from .whl ($(python3 -c 'import deepspeed; print(deepspeed.__version__)' 2>/dev/null)); torchtitan $(python3 -c 'import torchtitan; print(torchtitan.__version__)' 2>/dev/null || echo 'NOT importable')"
   else
     say "DeepSpeed offline install FAILED (see session.log); deepspeed systems will report 'not run'"
   fi
 else
-  say "no .whl/ carried: deepspeed systems will report 'not run' (see benchmarks/README.md)"
+  say "no .whl/ carried: deepspeed and simplefsdp systems will report 'not run' (see benchmarks/README.md)"
 fi
 
 RUNS=("$@")

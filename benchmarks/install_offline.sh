@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (no network): install the wheels that benchmarks/fetch_wheels.sh
-# put in .whl/ into a separate folder (default /tmp/site), without touching the
-# image's own packages. Afterwards:  export PYTHONPATH=/tmp/site:$PYTHONPATH
+# put in .whl/ (DeepSpeed, torchtitan and their missing dependencies) into a separate
+# folder (default /tmp/site), without touching the image's own packages.
+# Afterwards:  export PYTHONPATH=/tmp/site:$PYTHONPATH
 #
 #   bash benchmarks/install_offline.sh            # install + import check
 #   DS_PREBUILD_DC=1 bash benchmarks/install_offline.sh
@@ -27,6 +28,9 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$W"/*.whl
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import deepspeed, pydantic, torch; print(f'[install] deepspeed {deepspeed.__version__}, pydantic {pydantic.__version__}, torch {torch.__version__} (from $SITE)')"
+# torchtitan's SimpleFSDP (the simplefsdp system); not fatal: the system reports the reason itself
+python3 -c "import torchtitan; from torchtitan.experiments.simple_fsdp import simple_fsdp, backend; print(f'[install] torchtitan {torchtitan.__version__}: experiments.simple_fsdp imports')" \
+  || echo "[install] torchtitan's SimpleFSDP does NOT import (simplefsdp will report 'not run' with the reason)"
 
 if [ "${DS_PREBUILD_DC:-0}" = "1" ]; then
   t0=$(date +%s)

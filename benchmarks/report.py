@@ -40,7 +40,12 @@ METRIC_KEYS = (
 )
 
 # the order of reference systems for loss parity and ratio columns
-BASELINES = ("fsdp2", "fsdp2_compile", "ddp_compile", "ddp", "deepspeed_z3", "deepcompile", "inductor")
+BASELINES = ("fsdp2", "fsdp2_compile", "ddp_compile", "ddp", "deepspeed_z3", "deepcompile", "inductor", "simplefsdp",
+             "graph_trainer")
+
+PEERS = ("simplefsdp", "graph_trainer", "deepcompile", "deepspeed_z3")
+"""The other compiler-based / sharded-training frameworks ("peers", BENCHMARKS.md): a
+``peer`` target compares graphcomp with the fastest of them that ran."""
 
 PARITY_TOLERANCE = 2e-2
 """Relative loss difference accepted between systems (bf16 compute: see README)."""
@@ -49,7 +54,8 @@ PARITY_TOLERANCE = 2e-2
 TARGETS: dict[tuple[str, int], list[dict]] = {
     ("W1", 2): [dict(kind="speed", system="graphcomp", baseline="fsdp2_compile", min=1.6),
                 dict(kind="speed", system="graphcomp", baseline="fsdp2", min=2.0),
-                dict(kind="speed", system="graphcomp", baseline="deepspeed_z3", min=2.0)],
+                dict(kind="speed", system="graphcomp", baseline="deepspeed_z3", min=2.0),
+                dict(kind="peer", system="graphcomp", baseline=None, min=2.0)],
     ("W1", 1): [dict(kind="speed", system="graphcomp", baseline="inductor", min=1.3)],
     ("W2", 4): [dict(kind="speed", system="graphcomp", baseline="fsdp2_compile", min=1.15),
                 dict(kind="speed", system="graphcomp", baseline="ddp_compile", min=0.97),
@@ -130,6 +136,13 @@ def evaluate_targets(workload: str, world: int, systems: dict[str, dict], family
             if _num(a) and _num(b) and b > 0:
                 row["value"] = a / b
                 row["met"] = row["value"] >= t["min"]
+        elif t["kind"] == "peer":
+            row["peer"] = strongest_peer(systems)
+            a = metric(t["system"], "tokens_per_s_per_gpu")
+            b = metric(row["peer"], "tokens_per_s_per_gpu") if row["peer"] else None
+            if _num(a) and _num(b) and b > 0:
+                row["value"] = a / b
+                row["met"] = row["value"] >= t["min"]
         elif t["kind"] == "memory":
             a, b = metric(t["system"], "peak_mem_allocated_gib"), metric(t["baseline"], "peak_mem_allocated_gib")
             if _num(a) and _num(b) and b > 0:
@@ -151,9 +164,19 @@ def evaluate_targets(workload: str, world: int, systems: dict[str, dict], family
     return out
 
 
+def strongest_peer(systems: dict[str, dict]) -> str | None:
+    """The :data:`PEERS` system with the most tokens/s/GPU in this run (None if none ran)."""
+    ran = {n: systems[n]["metrics"]["tokens_per_s_per_gpu"] for n in PEERS
+           if n in systems and systems[n]["status"] == "ok" and _num(systems[n]["metrics"]["tokens_per_s_per_gpu"])}
+    return max(ran, key=ran.get) if ran else None
+
+
 def _target_text(t: dict) -> str:
     if t["kind"] == "speed":
         want = f"{t['system']} tokens/s ≥ {t['min']}× {t['baseline']}"
+    elif t["kind"] == "peer":
+        want = (f"{t['system']} tokens/s ≥ {t['min']}× the strongest peer "
+                f"({t.get('peer') or 'none of ' + ', '.join(PEERS) + ' ran'})")
     elif t["kind"] == "memory":
         want = f"{t['system']} peak mem ≤ {t['max']}× {t['baseline']}"
     elif t["kind"] == "steady":
@@ -216,6 +239,13 @@ def markdown(result: dict) -> str:
     if bad:
         lines += ["", "Not run / failed:", ""]
         lines += [f"- `{n}`: {r['status']}: {(r['reason'] or '').splitlines()[0][:300]}" for n, r in bad.items()]
+    peer = strongest_peer(systems)
+    if peer is not None:
+        g = systems.get("graphcomp", {})
+        gt = g.get("metrics", {}).get("tokens_per_s_per_gpu") if g.get("status") == "ok" else None
+        pt = systems[peer]["metrics"]["tokens_per_s_per_gpu"]
+        lines += ["", f"Strongest peer ({', '.join(PEERS)}) in this run: `{peer}`, {_fmt(pt, ',.0f')} tokens/s/GPU"
+                      + (f"; graphcomp / {peer} = {gt / pt:.2f}×" if _num(gt) else "")]
     est_lines = []
     for name, r in systems.items():
         est = (r.get("stats") or {}).get("memory_estimate") or {}

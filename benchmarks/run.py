@@ -35,11 +35,12 @@ from .external import (  # noqa: E402
     ABLATION_PREFIX, ENABLE_PREFIX, EXTERNAL_BUILDERS, ablation_systems, make_ablation_builder, make_enable_builder,
 )
 from .systems import BUILDERS, Ctx, NotRun  # noqa: E402
+from .torchtitan_systems import TORCHTITAN_BUILDERS  # noqa: E402
 
 log = logging.getLogger("benchmarks")
 
-ALL_BUILDERS = {**BUILDERS, **EXTERNAL_BUILDERS}
-DEFAULT_SYSTEMS = "graphcomp,fsdp2,fsdp2_compile,ddp_compile,deepspeed_z3,deepcompile"
+ALL_BUILDERS = {**BUILDERS, **TORCHTITAN_BUILDERS, **EXTERNAL_BUILDERS}
+DEFAULT_SYSTEMS = "graphcomp,fsdp2,fsdp2_compile,ddp_compile,simplefsdp,deepspeed_z3,deepcompile"
 RUN_LAST = ("deepspeed_z3", "deepcompile")  # DeepSpeed patches torch internals: keep it after the others
 
 
@@ -113,7 +114,7 @@ def expand_systems(spec: str, ablation: bool) -> list[tuple[str, object]]:
     if "all" in names:
         i = names.index("all")
         names[i:i + 1] = ["graphcomp", "fsdp2", "fsdp2_compile", "ddp", "ddp_compile", "inductor",
-                          "deepspeed_z3", "deepcompile", "graphcomp-ablation"]
+                          "simplefsdp", "graph_trainer", "deepspeed_z3", "deepcompile", "graphcomp-ablation"]
     if ablation and "graphcomp-ablation" not in names:
         names.append("graphcomp-ablation")
     out: list[tuple[str, object]] = []
