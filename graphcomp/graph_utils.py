@@ -63,6 +63,30 @@ def collective_kind(node: fx.Node) -> str | None:
     return COLLECTIVE_OPS.get(node.target._schema.name.split("::")[-1])
 
 
+def collective_group(node: fx.Node) -> str | None:
+    """The process-group name a functional collective runs on (its ``group_name``
+    argument), or None for any other node."""
+    if collective_kind(node) is None:
+        return None
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "group_name":
+            v = node.args[i] if i < len(node.args) else node.kwargs.get("group_name")
+            return v if isinstance(v, str) else getattr(v, "group_name", None)
+    return None
+
+
+def is_foreign_collective(node: fx.Node) -> bool:
+    """True for a collective on a group graphcomp did not shard over: another
+    dimension of the mesh of ``shard(mesh=...)`` (tensor parallel). The passes
+    leave those alone: no fusing, bucketing, freeing or moving (graphcomp.mesh_sharding)."""
+    from .state import STATE
+
+    if not STATE.foreign_groups:
+        return False
+    return collective_group(node) in STATE.foreign_groups
+
+
 def tensor_meta(node: fx.Node) -> Any:
     return node.meta.get("val", node.meta.get("tensor_meta"))
 
@@ -85,13 +109,15 @@ def nbytes(t: torch.Tensor) -> int:
 
 def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
     """Every collective in the graph with its kind, dtype, bytes on the wire
-    (output bytes for gathers, input bytes for reductions) and bucket id."""
+    (output bytes for gathers, input bytes for reductions), bucket id, group, and
+    ``foreign`` (on a group graphcomp did not shard over: tensor parallel); in a
+    split graph, ``piece`` names the piece that holds it."""
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_module":  # a piece of a split graph (partition_graph)
             sub = gm.get_submodule(str(n.target))
             if isinstance(sub, fx.GraphModule):
-                out.extend(collectives(sub))
+                out.extend(dict(c, piece=str(n.target)) for c in collectives(sub))
             continue
         kind = collective_kind(n)
         if kind is None:
@@ -109,6 +135,8 @@ def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
                 "bytes": sum(max(nbytes(t), 0) for t in src),
                 "bucket": n.meta.get("graphcomp_bucket"),
                 "params": n.meta.get("graphcomp_params"),
+                "group": collective_group(n),
+                "foreign": is_foreign_collective(n),
             }
         )
     return out
@@ -119,9 +147,13 @@ def has_cuda_tensors(gm: fx.GraphModule) -> bool:
     return any(t.device.type == "cuda" for n in gm.graph.nodes for t in tensor_values(n.meta.get("val")))
 
 
-def collective_bytes_by_dtype(colls: list[dict[str, Any]], kind: str | None = None) -> dict[str, int]:
+def collective_bytes_by_dtype(colls: list[dict[str, Any]], kind: str | None = None, foreign: bool = False) -> dict[str, int]:
+    """Bytes per dtype of graphcomp's collectives (``foreign=True``: of the
+    tensor-parallel ones instead)."""
     acc: dict[str, int] = collections.defaultdict(int)
     for c in colls:
+        if c.get("foreign", False) != foreign:
+            continue
         if kind is None or c["kind"] == kind:
             acc[c["dtype"]] += c["bytes"]
     return dict(acc)
@@ -220,7 +252,11 @@ def retype(node: fx.Node, dtype: torch.dtype) -> None:
 
 
 def gathers(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if is_target(n, c10d.all_gather_into_tensor.default)]
+    """graphcomp's all-gathers (tensor-parallel ones, on foreign groups, excluded)."""
+    return [
+        n for n in gm.graph.nodes
+        if is_target(n, c10d.all_gather_into_tensor.default) and not is_foreign_collective(n)
+    ]
 
 
 def single_wait(node: fx.Node) -> fx.Node | None:

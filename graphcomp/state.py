@@ -28,6 +28,11 @@ class _State:
         self.frames: list[dict[str, Any]] = []
         # open eager gather scopes: id(module) -> {name: gathered tensor} (graphcomp.gather_scope)
         self.scopes: dict[int, dict[str, Any]] = {}
+        # process-group names of mesh dimensions graphcomp.shard(mesh=...) does not
+        # shard over (tensor parallel): the passes leave their collectives alone.
+        # Kept by reset() (it describes sharded models, not compiles); emptied when
+        # the process group is destroyed (graphcomp.mesh_sharding)
+        self.foreign_groups: set[str] = set()
 
     def next_frame_id(self) -> int:
         return next(self._frame_ids)
