@@ -98,12 +98,17 @@ def make_config(family: str, size: str = "tiny", dropout: float | None = None) -
 
 
 def build_model(family: str, size: str = "tiny", *, seed: int = 0, device: Any = "cpu",
-                dropout: float | None = None) -> torch.nn.Module:
+                dropout: float | None = None, layers: int | None = None) -> torch.nn.Module:
     """fp32 model with weights drawn on the CPU from ``seed`` (identical on every rank,
-    every device), then moved to ``device``; train mode."""
+    every device), then moved to ``device``; train mode. ``layers`` overrides the
+    size's layer count (tests keep compiles short with one)."""
     import transformers
 
     cfg = make_config(family, size, dropout)
+    if layers is not None:
+        for key in ("num_hidden_layers", "n_layer"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, layers)
     fam = _family(family)
     torch.manual_seed(seed)
     cls = transformers.AutoModelForMaskedLM if fam.kind == "mlm" else transformers.AutoModelForCausalLM

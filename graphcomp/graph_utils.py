@@ -77,14 +77,19 @@ def collective_group(node: fx.Node) -> str | None:
 
 
 def is_foreign_collective(node: fx.Node) -> bool:
-    """True for a collective on a group graphcomp did not shard over: another
-    dimension of the mesh of ``shard(mesh=...)`` (tensor parallel). The passes
-    leave those alone: no fusing, bucketing, freeing or moving (graphcomp.mesh_sharding)."""
+    """True for a collective that is not graphcomp's: once ``shard(mesh=...)`` has
+    sharded a model beside tensor parallelism, a collective on any group other than
+    those ``graphcomp.shard`` shards over (``STATE.shard_groups``) is tensor
+    parallel's (DTensor may issue it on any of the equal meshes' groups, so the test
+    is "not ours", not "theirs"). The passes leave those alone: no fusing, bucketing,
+    freeing or moving. Without such a sharding (the 1-D path) nothing is foreign."""
     from .state import STATE
 
-    if not STATE.foreign_groups:
+    groups = STATE.shard_groups
+    if not any(groups.values()):
         return False
-    return collective_group(node) in STATE.foreign_groups
+    name = collective_group(node)
+    return name is not None and name not in groups
 
 
 def tensor_meta(node: fx.Node) -> Any:

@@ -28,8 +28,14 @@ Gather on use (traced into the graph like the 1-D gather)::
 ``state_dict()`` holds DTensors of the TP *global* shape on the 2-D mesh with the same
 placements, viewing the shards (``torch.distributed.checkpoint`` saves and loads them in
 place); ``clip_grad_norm_`` reduces its norm over both dimensions (every gradient is a
-DTensor on the one 2-D mesh). The process groups of the mesh's other dimensions go to
-``STATE.foreign_groups``: the passes leave collectives on them (TP's) alone.
+DTensor on the one 2-D mesh). The dp group goes to ``STATE.shard_groups`` marked 2-D:
+from then on the passes leave collectives on every other group (TP's) alone.
+
+Equal meshes are interchangeable to DTensor: it may hand back a DTensor on an
+earlier, structurally equal mesh object (its caches key meshes by value), whose
+groups have other names. So nothing here identifies a dimension by its group name:
+the dp dimension is ``ShardInfo.mesh_dim``, and TP collectives are recognized as
+"not graphcomp's group" rather than "the tp group".
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from .state import STATE
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeshPlan", "TPLayout", "resolve", "foreign_groups"]
+__all__ = ["MeshPlan", "TPLayout", "resolve", "register", "shard_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +84,6 @@ class MeshPlan:
     dp_index: int = 0
     tp_index: int = 1
     tp_mesh: Any = None
-    foreign: tuple[str, ...] = ()
-    """Process-group names of the root mesh's other dimensions."""
 
     @property
     def tp_size(self) -> int:
@@ -144,8 +148,13 @@ def resolve(model: nn.Module, group: Any, mesh: Any, dp_dim: str | None, owners:
             continue
         fqn = f"{mname}.{pname}" if mname else pname
         pm = p.device_mesh
-        pm_groups = [_compat.process_group_name(pm.get_group(i)) for i in range(pm.ndim)]
-        if dp_group_name in pm_groups or (dp_name is not None and dp_name in (_dims(pm) or ())):
+        same_root = _compat.root_mesh(pm) == root
+        if same_root and dp_name is not None and _dims(pm) is not None:
+            twice = dp_name in _dims(pm)
+        else:  # unnamed or unrelated meshes: the same process group (of more than one rank) is the same dimension
+            twice = dp_mesh.size() > 1 and any(
+                _compat.process_group_name(pm.get_group(i)) == dp_group_name for i in range(pm.ndim))
+        if twice:
             raise ValueError(
                 f"graphcomp.shard: parameter {fqn!r} is already sharded over the mesh dimension graphcomp would "
                 f"shard over ({dp_name or dp_group_name!r}): it is a DTensor on {_describe(pm)} with placements "
@@ -157,7 +166,7 @@ def resolve(model: nn.Module, group: Any, mesh: Any, dp_dim: str | None, owners:
                 f"graphcomp.shard: parameter {fqn!r} is a DTensor on a {pm.ndim}-D mesh {_describe(pm)}; "
                 "graphcomp.shard(mesh=...) takes tensor-parallel DTensors on one (1-D) mesh dimension"
             )
-        if _compat.root_mesh(pm) != root:
+        if not same_root:
             raise ValueError(
                 f"graphcomp.shard: parameter {fqn!r} is a DTensor on {_describe(pm)}, which is not a dimension of "
                 f"the mesh graphcomp shards over ({_describe(root)}); the tensor-parallel plan must place every "
@@ -184,12 +193,9 @@ def resolve(model: nn.Module, group: Any, mesh: Any, dp_dim: str | None, owners:
         )
     order = sorted((dp_name, tp_name), key=root_names.index)
     param_mesh = root if root_names == tuple(order) else root[tuple(order)]
-    foreign = tuple(
-        _compat.process_group_name(root.get_group(n)) for n in root_names if n != dp_name
-    )
     return MeshPlan(
         dp_mesh=dp_mesh, dp_name=dp_name, group=dp_group, param_mesh=param_mesh,
-        dp_index=order.index(dp_name), tp_index=order.index(tp_name), tp_mesh=tp_mesh, foreign=foreign,
+        dp_index=order.index(dp_name), tp_index=order.index(tp_name), tp_mesh=tp_mesh,
     )
 
 
@@ -295,38 +301,27 @@ def for_module(t: torch.Tensor, info: Any) -> torch.Tensor:
     return DTensor.from_local(t, tp.mesh, tp.placements, run_check=False, shape=torch.Size(tp.shape), stride=tp.stride)
 
 
-def register(plan: MeshPlan) -> None:
-    """Record the groups whose collectives the passes must leave alone."""
-    if not plan.foreign:
-        return
-    STATE.foreign_groups.update(plan.foreign)
+def register(group_name: str, two_d: bool) -> None:
+    """Record that ``graphcomp.shard`` shards over ``group_name`` (``two_d``: beside
+    tensor parallelism, so collectives on other groups are left alone)."""
+    STATE.shard_groups[group_name] = STATE.shard_groups.get(group_name, False) or two_d
     _compat.before_destroy_process_group(_forget_groups)
     _compat.wrap_destroy_process_group()
 
 
 def _forget_groups() -> None:
     # group names are reused by the next process groups: forget them with the groups
-    STATE.foreign_groups.clear()
+    STATE.shard_groups.clear()
 
 
-def foreign_groups() -> frozenset[str]:
-    """Process-group names graphcomp did not shard over (tensor parallel)."""
-    return frozenset(STATE.foreign_groups)
+def shard_groups() -> dict[str, bool]:
+    """Process-group names graphcomp shards over -> sharded beside tensor parallelism."""
+    return dict(STATE.shard_groups)
 
 
 # ---------------------------------------------------------------- state dict
 def _dp_rank(param: torch.Tensor, info: Any) -> int:
-    mesh = param.device_mesh
-    return mesh.get_local_rank(_dp_index(param, info))
-
-
-def _dp_index(param: torch.Tensor, info: Any) -> int:
-    """The dp dimension of the parameter's 2-D mesh: the one whose group is info's."""
-    mesh = param.device_mesh
-    for i in range(mesh.ndim):
-        if _compat.process_group_name(mesh.get_group(i)) == info.group_name:
-            return i
-    raise RuntimeError(f"{info.fqn}: no dimension of {_describe(mesh)} has group {info.group_name!r} (graphcomp bug)")
+    return param.device_mesh.get_local_rank(info.mesh_dim)
 
 
 def logical_dtensor(param: torch.Tensor, info: Any) -> torch.Tensor:
@@ -355,7 +350,7 @@ def _tp_slice(full: torch.Tensor, info: Any, param: torch.Tensor) -> torch.Tenso
     if d is None:
         return full
     mesh = param.device_mesh
-    tp_index = 1 - _dp_index(param, info)
+    tp_index = 1 - info.mesh_dim
     size, r = mesh.size(tp_index), mesh.get_local_rank(tp_index)
     n = full.shape[d] // size
     return full.narrow(d, r * n, n)

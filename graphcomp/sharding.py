@@ -80,6 +80,9 @@ class ShardInfo:
     """2-D sharding (``shard(mesh=...)``): the tensor-parallel view module code sees
     (a ``graphcomp.mesh_sharding.TPLayout``; ``shape`` is then the tp-local shape),
     or None (a plain parameter)."""
+    mesh_dim: int = 0
+    """The dimension of the parameter's device mesh that is sharded here (2-D: the
+    dp dimension's index in the parameter's 2-D mesh)."""
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -434,6 +437,7 @@ def shard(
                 group_name=group_name,
                 world_size=world,
                 tp=tp,
+                mesh_dim=plan.dp_index if two_d else 0,
             )
             with torch.no_grad():
                 local = _padded_local(_row_slice(src.detach(), info, rank), info, src)
@@ -460,8 +464,7 @@ def shard(
         gather_scope.install(mod, infos)
         mod.register_state_dict_post_hook(_state_dict_post_hook)
         mod.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
-    if plan is not None:
-        mesh_sharding.register(plan)
+    mesh_sharding.register(group_name, two_d)
 
     log.info(
         "graphcomp.shard: %d parameters (%d bytes) sharded over %d ranks of group %s; %d bytes per rank, "

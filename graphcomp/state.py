@@ -28,11 +28,12 @@ class _State:
         self.frames: list[dict[str, Any]] = []
         # open eager gather scopes: id(module) -> {name: gathered tensor} (graphcomp.gather_scope)
         self.scopes: dict[int, dict[str, Any]] = {}
-        # process-group names of mesh dimensions graphcomp.shard(mesh=...) does not
-        # shard over (tensor parallel): the passes leave their collectives alone.
-        # Kept by reset() (it describes sharded models, not compiles); emptied when
-        # the process group is destroyed (graphcomp.mesh_sharding)
-        self.foreign_groups: set[str] = set()
+        # process-group names graphcomp.shard() shards over -> True when sharded by
+        # shard(mesh=...) beside tensor parallelism. While such a sharding exists, a
+        # collective on any other group is tensor parallel's: the passes leave it alone
+        # (graph_utils.is_foreign_collective). Kept by reset() (it describes sharded
+        # models, not compiles); emptied when the process group is destroyed
+        self.shard_groups: dict[str, bool] = {}
 
     def next_frame_id(self) -> int:
         return next(self._frame_ids)

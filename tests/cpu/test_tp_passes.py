@@ -1,5 +1,5 @@
-"""The passes on graphs that mix graphcomp's collectives (group "dp") with tensor-
-parallel ones (group "tp", registered as foreign as ``shard(mesh=...)`` does):
+"""The passes on graphs that mix graphcomp's collectives (group "dp", registered as
+``shard(mesh=...)`` registers its group) with tensor-parallel ones (group "tp"):
 graphcomp's are fused, bucketed, freed and moved as before; TP ones are left exactly
 where and as they are; the partitioner keeps each TP collective with its wait."""
 
@@ -25,10 +25,11 @@ CONVERT = "prims.convert_element_type.default"
 
 @pytest.fixture
 def tp_foreign():
-    """Group "tp" is another mesh dimension's (what shard(mesh=...) registers)."""
-    STATE.foreign_groups.add("tp")
+    """graphcomp shards over "dp" beside tensor parallelism (what shard(mesh=...)
+    records): collectives on "tp" are not graphcomp's."""
+    STATE.shard_groups["dp"] = True
     yield "tp"
-    STATE.foreign_groups.discard("tp")
+    del STATE.shard_groups["dp"]
 
 
 def _tp_gather(x, world=2):
@@ -66,7 +67,7 @@ def test_collective_group_and_foreign_flag(tp_foreign):
 
 def test_without_a_mesh_every_collective_is_graphcomps():
     """The 1-D path: nothing registered, nothing foreign (the passes behave as before)."""
-    assert not STATE.foreign_groups
+    assert not any(STATE.shard_groups.values())
     gm = trace(lambda x: _tp_gather(x).sum(), torch.randn(3, 4))
     (ag,) = _colls(gm)
     assert not gu.is_foreign_collective(ag) and gu.gathers(gm) == [ag]
@@ -152,7 +153,7 @@ def test_schedule_free_regathers_parameters_not_tp_activations():
 
     with world1_group() as dp:
         tp = dist.new_group([0]).group_name
-        STATE.foreign_groups.add(tp)
+        STATE.shard_groups[dp] = True
         try:
             def f(x, s):
                 w = _GatherParam.apply(s, 4, (4, 4), None, torch.float32, dp, 1)
@@ -170,7 +171,7 @@ def test_schedule_free_regathers_parameters_not_tp_activations():
             x, s = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
             cf(x, s).backward()
         finally:
-            STATE.foreign_groups.discard(tp)
+            del STATE.shard_groups[dp]
     assert got["rec"].counts["gathers_resharded"] == 1
     bwd_groups = [_group_of(n) for n in _colls(got["bwd"])]
     assert bwd_groups == [dp]  # the parameter re-gathered; the activation gather saved, not re-run
