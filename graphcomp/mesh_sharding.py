@@ -181,10 +181,11 @@ def resolve(model: nn.Module, group: Any, mesh: Any, dp_dim: str | None, owners:
                 "tensor-parallel mesh dimension for every parameter"
             )
         _check_placements(fqn, p)
+    root_names = _dims(root)
+    tp_name = (_dims(tp_mesh) or (None,))[0] if tp_mesh is not None else None
+    _check_other_dims(root, dp_name, tp_name, tp_mesh is not None)
     if tp_mesh is None:
         return MeshPlan(dp_mesh=dp_mesh, dp_name=dp_name, group=dp_group)
-    root_names = _dims(root)
-    tp_name = _dims(tp_mesh)[0] if _dims(tp_mesh) else None
     if root_names is None or dp_name is None or tp_name is None:
         raise ValueError(
             "graphcomp.shard: 2-D sharding needs named mesh dimensions "
@@ -196,6 +197,26 @@ def resolve(model: nn.Module, group: Any, mesh: Any, dp_dim: str | None, owners:
     return MeshPlan(
         dp_mesh=dp_mesh, dp_name=dp_name, group=dp_group, param_mesh=param_mesh,
         dp_index=order.index(dp_name), tp_index=order.index(tp_name), tp_mesh=tp_mesh,
+    )
+
+
+def _check_other_dims(root: Any, dp_name: str | None, tp_name: str | None, has_tp: bool) -> None:
+    """Every dimension of the mesh but dp (and tp) must have size 1: graphcomp reduces
+    gradients over dp only (and DTensor over tp), so ranks along any other dimension
+    would silently train apart (data-parallel replicas of HSDP, context parallelism).
+    Pipeline stages, which hold different parameters, have no mesh here to pass."""
+    if root.ndim == 1:
+        return
+    names = _dims(root) or tuple(str(i) for i in range(root.ndim))
+    extra = [(n, root.size(i)) for i, n in enumerate(names) if n not in (dp_name, tp_name) and root.size(i) > 1]
+    if not extra:
+        return
+    what = ("the tensor-parallel dimension " + repr(tp_name)) if has_tp else "no tensor-parallel parameter"
+    raise ValueError(
+        f"graphcomp.shard: the mesh {_describe(root)} has dimension(s) {extra} besides {dp_name!r} (sharded) and "
+        f"{what}; graphcomp reduces gradients over the sharded dimension only, so ranks along the others would "
+        "train apart. Replicating over another dimension (HSDP) is not supported: shard over all the "
+        "data-parallel ranks (one dimension), with tensor parallelism on the other"
     )
 
 

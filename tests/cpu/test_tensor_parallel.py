@@ -409,7 +409,24 @@ def _uneven(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_uneven_tensor_parallel_shards_are_a_value_error(ranks2):
+def _hsdp(rank: int, world: int) -> str:
+    """A mesh whose other dimension has 2 ranks and no TP parameter on it would
+    train those ranks apart (HSDP's replicas): refused."""
+    import graphcomp
+    from graphcomp.models import TinyMLP
+
+    mesh = _mesh(world, 1)  # ("dp"=1, "tp"=2)
+    try:
+        graphcomp.shard(TinyMLP(), mesh=mesh, dp_dim="dp")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_uneven_tp_shards_and_replica_dimensions_are_value_errors(ranks2):
+    msgs = ranks2.run(_hsdp)
+    assert all("has dimension(s) [('tp', 2)] besides 'dp' (sharded) and no tensor-parallel parameter" in m
+               and "HSDP) is not supported" in m for m in msgs), msgs
     msgs = ranks2.run(_uneven)
     assert all("'tok_emb.weight' (shape (131, 32)) is sharded unevenly" in m and "dim 0 of size 131 over 2" in m
                for m in msgs), msgs
