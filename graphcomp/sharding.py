@@ -340,7 +340,8 @@ def _validate(
         if isinstance(p, D) and not allow_dtensor:
             raise RuntimeError(
                 f"graphcomp.shard: parameter {fqn!r} is already a DTensor (sharded by graphcomp, FSDP2 or "
-                "tensor parallelism); graphcomp.shard takes a model of plain parameters"
+                "tensor parallelism); graphcomp.shard takes a model of plain parameters, or, for tensor "
+                "parallelism on a mesh dimension, shard(model, mesh=mesh, dp_dim=<the other dimension>)"
             )
         if first_dev is None:
             first_dev = (fqn, p.device)
