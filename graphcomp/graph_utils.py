@@ -152,7 +152,8 @@ def has_cuda_tensors(gm: fx.GraphModule) -> bool:
     return any(t.device.type == "cuda" for n in gm.graph.nodes for t in tensor_values(n.meta.get("val")))
 
 
-def collective_bytes_by_dtype(colls: list[dict[str, Any]], kind: str | None = None, foreign: bool = False) -> dict[str, int]:
+def collective_bytes_by_dtype(colls: list[dict[str, Any]], kind: str | None = None,
+                              foreign: bool = False) -> dict[str, int]:
     """Bytes per dtype of graphcomp's collectives (``foreign=True``: of the
     tensor-parallel ones instead)."""
     acc: dict[str, int] = collections.defaultdict(int)

@@ -108,7 +108,8 @@ def _describe(mesh: Any) -> str:
 
 
 # ------------------------------------------------------------------ resolve
-def resolve(model: nn.Module, group: Any, mesh: Any, dp_dim: str | None, owners: list[tuple[str, nn.Module, str, nn.Parameter]]) -> MeshPlan:
+def resolve(model: nn.Module, group: Any, mesh: Any, dp_dim: str | None,
+            owners: list[tuple[str, nn.Module, str, nn.Parameter]]) -> MeshPlan:
     """Check ``shard(model, group, mesh=mesh, dp_dim=dp_dim)``'s mesh arguments and
     the model's DTensor parameters (``owners``: (module fqn, module, name, param)),
     and say where to shard. Every problem is a ``ValueError`` naming it."""
@@ -117,7 +118,8 @@ def resolve(model: nn.Module, group: Any, mesh: Any, dp_dim: str | None, owners:
     if group is not None:
         raise ValueError("graphcomp.shard: pass either group= or mesh=, not both (the mesh names the group)")
     if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"graphcomp.shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+        raise ValueError(
+            f"graphcomp.shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     names = _dims(mesh)
     if dp_dim is None:
         if mesh.ndim != 1:

@@ -446,3 +446,13 @@ def test_one_dimensional_mesh_is_the_1d_path(pg1):
     p = m.fc1._parameters["weight"]
     assert p.device_mesh is mesh and tuple(p.placements) == (Shard(0),)
     assert STATE.shard_groups == {mesh.get_group().group_name: False}  # nothing is foreign
+
+
+# ----------------------------------------------------------------- benchmark harness
+def test_bench_tp_refuses_what_has_no_tp_plan_before_starting_ranks():
+    from benchmarks import run
+
+    with pytest.raises(SystemExit, match="--tp runs graphcomp's Llama workloads"):
+        run.main(["--workload", "hf-llama", "--tp", "2"])
+    with pytest.raises(SystemExit, match="--tp must be >= 1"):
+        run.main(["--workload", "smoke-tp", "--tp", "0"])
