@@ -16,7 +16,10 @@ import logging
 import torch
 
 from . import workloads
-from .systems import ADAMW, BF16, CLIP, Built, Ctx, NotRun, _common_config, make_optimizer, standard_step
+from .systems import (
+    ADAMW, BF16, CLIP, Built, Ctx, NotRun, _common_config, apply_tp, make_optimizer, no_tp, standard_step, tp_mesh,
+    tp_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,12 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
     # Inductor, so the model is not sharded and the step is the inductor system's
     # (autocast bf16): the two differ only in the backend.
     sharded = ctx.world > 1
-    if sharded:
+    tp_cfg: dict = {}
+    if ctx.tp > 1:  # the same TP plan as fsdp2 + TP, then graphcomp shards over dp (2-D DTensors)
+        mesh = tp_mesh(ctx)
+        tp_cfg = apply_tp(model, mesh)
+        graphcomp.shard(model, mesh=mesh, dp_dim="dp", param_dtype=BF16, reduce_dtype=torch.float32)
+    elif sharded:
         try:
             graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32)
         except (AttributeError, ImportError) as e:
@@ -158,13 +166,15 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
     compiled = torch.compile(model, backend=backend, options=options)
     opt, ocfg = make_optimizer(model.parameters(), ctx.device)
     cfg = {
-        **_common_config(ctx), **ocfg,
+        **_common_config(ctx), **ocfg, **tp_cfg,
         "compile": f"torch.compile(model, {backend_desc}, options={options})",
         "graphcomp_version": getattr(graphcomp, "__version__", None),
     }
     if sharded:
         cfg.update({
-            "wrapping": "graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32), then torch.compile",
+            "wrapping": ("graphcomp.shard(model, mesh=mesh, dp_dim='dp', param_dtype=bf16, reduce_dtype=fp32) "
+                         "after the TP plan, then torch.compile" if ctx.tp > 1 else
+                         "graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32), then torch.compile"),
             "mixed_precision": "param_dtype=bf16 (gathered weights bf16), reduce_dtype=fp32; no autocast",
             "compute": workloads.compute_note(ctx.workload),
             "master_weights": "fp32 shards (optimizer built on model.parameters() after shard)",
@@ -194,7 +204,8 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
             out["counters_measured"] = counters_delta(window["start"], window["end"])
         return out
 
-    return Built(step=standard_step(compiled, opt, ctx.device, autocast=not sharded), config=cfg, compiles=True,
+    step = tp_step(compiled, opt) if ctx.tp > 1 else standard_step(compiled, opt, ctx.device, autocast=not sharded)
+    return Built(step=step, config=cfg, compiles=True,
                  keep=[compiled, model, opt], teardown=teardown, stats=stats, on_window=on_window)
 
 
@@ -281,6 +292,7 @@ def deepspeed_config(ctx: Ctx, deepcompile: bool) -> dict:
 
 
 def build_deepspeed(ctx: Ctx, deepcompile: bool = False) -> Built:
+    no_tp(ctx, "deepcompile" if deepcompile else "deepspeed_z3")
     if ctx.device.type != "cuda":
         raise NotRun("DeepSpeed ZeRO-3 needs CUDA + NCCL; this run is on CPU/gloo")
     # DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST and fails on "9.0a"

@@ -98,12 +98,17 @@ def make_config(family: str, size: str = "tiny", dropout: float | None = None) -
 
 
 def build_model(family: str, size: str = "tiny", *, seed: int = 0, device: Any = "cpu",
-                dropout: float | None = None) -> torch.nn.Module:
+                dropout: float | None = None, layers: int | None = None) -> torch.nn.Module:
     """fp32 model with weights drawn on the CPU from ``seed`` (identical on every rank,
-    every device), then moved to ``device``; train mode."""
+    every device), then moved to ``device``; train mode. ``layers`` overrides the
+    size's layer count (tests keep compiles short with one)."""
     import transformers
 
     cfg = make_config(family, size, dropout)
+    if layers is not None:
+        for key in ("num_hidden_layers", "n_layer"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, layers)
     fam = _family(family)
     torch.manual_seed(seed)
     cls = transformers.AutoModelForMaskedLM if fam.kind == "mlm" else transformers.AutoModelForCausalLM
@@ -113,6 +118,45 @@ def build_model(family: str, size: str = "tiny", *, seed: int = 0, device: Any =
     model.train()
     model.graphcomp_family = family  # make_batch reads it
     return model
+
+
+TP_FAMILIES = ("llama", "qwen3")
+"""Families :func:`tp_plan` has a tensor-parallel plan for (Llama-style decoders)."""
+
+
+def tp_plan(model: torch.nn.Module) -> dict[str, Any]:
+    """A tensor-parallel plan for ``parallelize_module(model, mesh["tp"], plan)`` of a
+    Llama-style decoder (:data:`TP_FAMILIES`), as transformers' own ``base_model_tp_plan``
+    lays it out: attention ``q/k/v_proj`` and MLP ``gate/up_proj`` column-wise,
+    ``o_proj`` and ``down_proj`` row-wise (each rank computes its heads and hidden
+    units; transformers' attention reshapes with ``-1`` heads, so it runs on the
+    local ones). The embedding is row-wise (vocabulary rows split, output reduced
+    over tp) and the LM head column-wise with its logits gathered (``Replicate``),
+    so the loss runs unchanged; the norms stay plain (replicated) modules. Needs
+    heads, key/value heads, the MLP size and the vocabulary divisible by tp, and an
+    untied head."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    family = getattr(model, "graphcomp_family", None)
+    if family not in TP_FAMILIES:
+        raise ValueError(f"no tensor-parallel plan for HF family {family!r}; families with one: {list(TP_FAMILIES)}")
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is emb.weight:
+        raise ValueError(f"{family}: the LM head is tied to the embedding; the plan splits them differently")
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(model.config.num_hidden_layers):
+        pre = f"model.layers.{i}"
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{pre}.self_attn.{name}"] = ColwiseParallel()
+        plan[f"{pre}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"{pre}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{pre}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{pre}.mlp.down_proj"] = RowwiseParallel()
+    return plan
 
 
 def make_batch(model_or_family: Any, batch: int, seq: int, seed: int, device: Any = "cpu") -> dict[str, torch.Tensor]:

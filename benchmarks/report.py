@@ -207,12 +207,14 @@ def _pct(x) -> str:
 def markdown(result: dict) -> str:
     w, env, systems = result["workload"], result["env"], result["systems"]
     world = env["world_size"]
-    lines = [f"# {_title(w)} on {world} × {env['device_name']} ({env['device_type']})", "",
+    tp = int((result.get("args") or {}).get("tp") or 1)
+    lines = [f"# {_title(w)}{f' (tensor parallel {tp})' if tp > 1 else ''} on {world} × {env['device_name']} ({env['device_type']})", "",
              f"{env['date']} · torch {env['torch']} · CUDA {env['cuda']} · NCCL {env['nccl']} · "
              f"commit {(env['git_commit'] or 'unknown')[:12]}"
              f"{' (dirty)' if env.get('git_dirty') else ''} · DeepSpeed {env['deepspeed']}", "",
              f"{_model_text(w, result['model'])} ({result['model']['params'] / 1e6:.4g}M params), micro-batch "
-             f"{w['batch']} × seq {w['seq']} per rank, {w['warmup']} warmup + {w['steps']} measured steps"
+             f"{w['batch']} × seq {w['seq']} per {'rank' if tp == 1 else f'dp group of {tp} tensor-parallel ranks'}, "
+             f"{w['warmup']} warmup + {w['steps']} measured steps"
              f"{', activation checkpointing' if w['activation_checkpointing'] else ''}; "
              f"matmul bf16 measured: {_fmt(env['matmul_bf16_tflops_measured'], '.0f')} TFLOP/s", ""]
     base = [b for b in BASELINES if _num(systems.get(b, {}).get("metrics", {}).get("tokens_per_s_per_gpu"))]
@@ -270,7 +272,8 @@ def markdown(result: dict) -> str:
         lines += [f"- {n}: {_fmt(v, '.2e')}" for n, v in p["max_rel_diff"].items()]
     if result.get("targets"):
         lines += ["", "Targets (BENCHMARKS.md):", ""] + [_target_text(t) for t in result["targets"]]
-    lines += ["", "Columns: tokens/s/GPU = micro-batch × seq / median step time; × X = tokens/s ratio to "
+    lines += ["", f"Columns: tokens/s/GPU = micro-batch × seq{f' / {tp} (tp)' if tp > 1 else ''} / median step "
+                  "time; × X = tokens/s ratio to "
                   "system X in this run; MFU = model FLOPs / 989 TFLOP/s; MFU/matmul = same over the bf16 matmul "
                   "rate measured in this run; compile = wall time of the first step (cold) and of the first "
                   "step after a Dynamo reset (warm, --warm-compile). See benchmarks/README.md."]

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "and step counts follow the size unless given")
     p.add_argument("--hf-dropout", type=float,
                    help="hf-* workloads: set every dropout of the model (default: the family's own)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: ranks form a (world/N, N) mesh ('dp', 'tp'); graphcomp (TP plan + "
+                        "shard over dp) vs fsdp2/fsdp2_compile + TP (torchtitan's recipe); Llama workloads only")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -246,7 +249,7 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
             loss_t /= ctx.world
         med, alloc, resv = measure.allreduce_floats([measure.median(times), alloc, resv], "max", device)
         m = res["metrics"]
-        tps = w.batch * w.seq / (med / 1e3)
+        tps = w.batch * w.seq / ctx.tp / (med / 1e3)  # a dp group's tp GPUs share its micro-batch
         fpt = ctx.flops_per_token if ctx.flops_per_token is not None else workloads.model_info(w)["flops_per_token"]
         m.update(tokens_per_s_per_gpu=tps, step_time_ms_median=med, step_times_ms=[round(t, 3) for t in times],
                  mfu=fpt * tps / measure.PEAK_BF16_FLOPS,
@@ -314,7 +317,8 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
 def _output_stem(args, w, world) -> str:
     os.makedirs(args.out_dir, exist_ok=True)
     date = _dt.date.today().isoformat()
-    stem = os.path.join(args.out_dir, f"{date}-{w.label}-{world}gpu{('-' + args.tag) if args.tag else ''}")
+    tp = f"-tp{args.tp}" if getattr(args, "tp", 1) > 1 else ""
+    stem = os.path.join(args.out_dir, f"{date}-{w.label}-{world}gpu{tp}{('-' + args.tag) if args.tag else ''}")
     if os.path.exists(stem + ".json"):
         stem += _dt.datetime.now().strftime("-%H%M%S")
     return stem
@@ -368,14 +372,17 @@ def run_workload(w: workloads.Workload, systems, args, env: dict, device, rank: 
       f"world={world} device={env['device_name']} systems={','.join(n for n, _ in systems)}")
     args.trace_base = os.path.join(args.out_dir, f"{_dt.date.today().isoformat()}-{w.label}-{world}gpu"
                                                  f"{('-' + args.tag) if args.tag else ''}")
-    batches = workloads.make_batches(w, w.warmup + w.steps, rank, world, args.seed, device)
+    # with --tp, the tp ranks of one dp group train on the same micro-batch
+    batches = workloads.make_batches(w, w.warmup + w.steps, rank // args.tp, world // args.tp, args.seed, device)
     for name, builder in systems:
         ctx = Ctx(workload=w, device=device, rank=rank, world=world, seed=args.seed,
-                  flops_per_token=model_info["flops_per_token"])
+                  flops_per_token=model_info["flops_per_token"], tp=args.tp)
         result["systems"][name] = run_system(name, builder, ctx, args, batches,
                                              env["matmul_bf16_tflops_measured"], P)
         result["loss_parity"] = report.loss_parity(result["systems"], w.warmup)
-        result["targets"] = report.evaluate_targets(w.name, world, result["systems"], family=w.family)
+        # BENCHMARKS.md's targets are for sharding alone: a --tp run has none
+        result["targets"] = ([] if args.tp > 1 else
+                             report.evaluate_targets(w.name, world, result["systems"], family=w.family))
         if rank == 0:  # after every system, so a timeout keeps what finished
             result["notes"] = report.write_all(stem, result, png=not args.no_png)
     if rank == 0:
@@ -404,10 +411,17 @@ def main(argv: list[str] | None = None) -> int:
               for n in expand_workloads(args.workload)]
     except ValueError as e:
         raise SystemExit(f"benchmarks.run: {e}") from None
+    if args.tp < 1:
+        raise SystemExit(f"benchmarks.run: --tp must be >= 1, got {args.tp}")
+    if args.tp > 1 and any(w.family is not None for w in ws):
+        raise SystemExit("benchmarks.run: --tp runs graphcomp's Llama workloads (W1, W2, W3, smoke-tp); the hf-* "
+                         "workloads have no tensor-parallel plan in the harness")
     systems = expand_systems(args.systems, args.ablation)
     device, rank, world = setup_distributed(args)
     P = Printer(rank)
     try:
+        if world % args.tp:
+            raise SystemExit(f"benchmarks.run: --tp {args.tp} does not divide the world size {world}")
         env = measure.environment(device, world)
         mm = measure.bf16_matmul_tflops(device)
         env["matmul_bf16_tflops_measured"] = measure.allreduce_floats([mm], "min", device)[0]

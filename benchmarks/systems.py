@@ -1,5 +1,12 @@
 """The torch-native systems: fsdp2, fsdp2_compile, ddp, ddp_compile, inductor.
 
+Tensor parallel (``--tp N``, Llama workloads): ranks form a ``(dp, tp)`` mesh;
+``fsdp2``/``fsdp2_compile`` follow torchtitan's recipe (``parallelize_module`` with
+``graphcomp.models.tp_plan``, sequence and loss parallel on, then
+``torch.compile`` per block, then ``fully_shard`` over ``dp``); graphcomp applies the
+same plan and shards over ``dp`` (``external.py``). The other systems have no TP
+recipe and do not run.
+
 Each builder takes a :class:`Ctx` and returns a :class:`Built`: a ``step(tokens,
 targets) -> loss`` closure doing one full training step, and the exact configuration
 (written to the JSON). A builder that cannot run here raises :class:`NotRun` with the
@@ -41,6 +48,8 @@ class Ctx:
     seed: int
     flops_per_token: float | None = None
     """the model's FLOPs per token at the workload's seq (``workloads.model_info``)"""
+    tp: int = 1
+    """tensor-parallel degree (``--tp``): ranks form a (world // tp, tp) mesh ("dp", "tp")"""
 
 
 @dataclass
@@ -93,9 +102,58 @@ def standard_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.de
     return step
 
 
+# --------------------------------------------------------------------------- tensor parallel
+def tp_mesh(ctx: Ctx):
+    """The ``(dp, tp)`` device mesh of a ``--tp`` run (a new one per system: each
+    builds and tears down its own model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(ctx.device.type, (ctx.world // ctx.tp, ctx.tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_tp(model: nn.Module, mesh) -> dict:
+    """torchtitan's TP layout (``graphcomp.models.tp_plan``: sequence parallel and
+    loss parallel on) on ``mesh["tp"]``; returns its description for the config."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from graphcomp.models import tp_plan
+
+    parallelize_module(model, mesh["tp"], tp_plan(model, sequence_parallel=True, loss_parallel=True))
+    return {"tensor_parallel": (f"parallelize_module(model, mesh['tp'] (size {mesh['tp'].size()}), "
+                                "graphcomp.models.tp_plan(sequence_parallel=True, loss_parallel=True)); "
+                                "the loss and its backward under loss_parallel()"),
+            "mesh": {"dp": mesh["dp"].size(), "tp": mesh["tp"].size()}}
+
+
+def tp_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``standard_step`` with the forward and backward under ``loss_parallel()`` (the
+    logits stay vocabulary-sharded); no autocast (the systems cast by policy)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with loss_parallel():
+            loss = model(tokens, targets)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        return loss.to_local() if hasattr(loss, "to_local") else loss
+
+    return step
+
+
+def no_tp(ctx: Ctx, name: str) -> None:
+    if ctx.tp > 1:
+        raise NotRun(f"{name} has no tensor-parallel recipe here (--tp {ctx.tp}); "
+                     "with --tp: graphcomp, fsdp2, fsdp2_compile")
+
+
 def _common_config(ctx: Ctx) -> dict:
     w = ctx.workload
-    return {"micro_batch_per_rank": w.batch, "seq_len": w.seq, "world_size": ctx.world,
+    return {"micro_batch_per_rank": w.batch, "seq_len": w.seq, "world_size": ctx.world, "tp": ctx.tp,
             "activation_checkpointing": ("torch.utils.checkpoint(use_reentrant=False) per block"
                                          if w.activation_checkpointing else None),
             "grad_clip": f"torch.nn.utils.clip_grad_norm_(params, {CLIP})",
@@ -127,9 +185,13 @@ def build_fsdp2(ctx: Ctx, compile_blocks: bool = False) -> Built:
 
     fully_shard, MixedPrecisionPolicy = _fsdp2_api()
     model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
+    tp_cfg: dict = {}
+    if ctx.tp > 1:  # torchtitan: TP, then compile per block, then fully_shard over dp
+        mesh2d = tp_mesh(ctx)
+        tp_cfg = apply_tp(model, mesh2d)
     fullgraph = ctx.workload.block_fullgraph
     n_compiled = _compile_blocks(model, fullgraph) if compile_blocks else 0
-    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    mesh = mesh2d["dp"] if ctx.tp > 1 else init_device_mesh(ctx.device.type, (ctx.world,))
     mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
     layers = list(model.layers)
     for i, blk in enumerate(layers):
@@ -138,8 +200,8 @@ def build_fsdp2(ctx: Ctx, compile_blocks: bool = False) -> Built:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt, ocfg = make_optimizer(model.parameters(), ctx.device)
     cfg = {
-        **_common_config(ctx), **ocfg,
-        "wrapping": ("fully_shard(block, mesh=1-D mesh over all ranks, mp_policy, "
+        **_common_config(ctx), **ocfg, **tp_cfg,
+        "wrapping": (f"fully_shard(block, mesh={'mesh[dp]' if ctx.tp > 1 else '1-D mesh over all ranks'}, mp_policy, "
                      "reshard_after_forward=True except the last block) for each block; fully_shard(root)"),
         "mixed_precision": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); no autocast",
         "compute": workloads.compute_note(ctx.workload),
@@ -147,8 +209,8 @@ def build_fsdp2(ctx: Ctx, compile_blocks: bool = False) -> Built:
         "compile": (f"torch.compile(block, fullgraph={fullgraph}) for {n_compiled} blocks, before fully_shard"
                     if compile_blocks else None),
     }
-    return Built(step=standard_step(model, opt, ctx.device, autocast=False), config=cfg,
-                 compiles=compile_blocks, keep=[model, opt])
+    step = tp_step(model, opt) if ctx.tp > 1 else standard_step(model, opt, ctx.device, autocast=False)
+    return Built(step=step, config=cfg, compiles=compile_blocks, keep=[model, opt])
 
 
 def build_fsdp2_compile(ctx: Ctx) -> Built:
@@ -159,6 +221,7 @@ def build_fsdp2_compile(ctx: Ctx) -> Built:
 def build_ddp(ctx: Ctx, compile_model: bool = False) -> Built:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    no_tp(ctx, "ddp_compile" if compile_model else "ddp")
     model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     run = torch.compile(ddp) if compile_model else ddp
@@ -181,6 +244,7 @@ def build_ddp_compile(ctx: Ctx) -> Built:
 
 
 def build_inductor(ctx: Ctx) -> Built:
+    no_tp(ctx, "inductor")
     if ctx.world != 1:
         raise NotRun(f"inductor is the unsharded single-process baseline (1-GPU target); "
                      f"world size is {ctx.world}: run it with --nproc-per-node 1")

@@ -100,6 +100,9 @@ WORKLOADS: dict[str, Workload] = {
                    note="~8B, memory; activation checkpointing per block"),
     # CI: 2 gloo CPU ranks, seconds per system
     "smoke": Workload("smoke", "tiny", batch=2, seq=16, warmup=3, steps=3, note="CI smoke (tiny preset)"),
+    # the same with a vocabulary tensor parallelism can split (--tp 2 / 4)
+    "smoke-tp": Workload("smoke-tp", "tiny-tp", batch=2, seq=16, warmup=3, steps=3,
+                         note="CI smoke for --tp (tiny-tp preset)"),
 }
 
 # HF workloads: one per family, issue 12's small config (8 layers, d=1024, seq 1024,

@@ -586,3 +586,33 @@ def local_data_ptrs(tensors: Sequence[torch.Tensor | None]) -> tuple[int | None,
     """The data pointer of each tensor's local shard (a DTensor's ``_local_tensor``,
     else the tensor itself); None for None. One pass, for per-step address checks."""
     return tuple(None if t is None else getattr(t, "_local_tensor", t).data_ptr() for t in tensors)
+
+
+# ------------------------------------------------------------ device meshes (2-D)
+def root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced from (``mesh2d["tp"]`` -> ``mesh2d``), or
+    ``mesh`` itself. 2.13: ``DeviceMesh._get_root_mesh()``; older layouts kept the
+    parent in ``_mesh_resources``."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    from torch.distributed.device_mesh import _mesh_resources  # pragma: no cover - older layouts
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """``_StridedShard(dim, split_factor=...)``: the placement of a dimension sharded
+    *inside* the shards of a mesh dimension that comes after it (FSDP2 + TP's layout;
+    ``torch.distributed.tensor.placement_types``, private in 2.11 and 2.13)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_strided_shard(p: Any) -> bool:
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(p, _StridedShard)

@@ -83,6 +83,7 @@ class _ScopeNode(torch.autograd.Function):
 def install(module: nn.Module, infos: dict[str, Any]) -> None:
     """Open a scope around every eager forward of ``module`` over its sharded
     parameters ``infos`` (name -> ShardInfo)."""
+    from .mesh_sharding import for_module
     from .sharding import gather, gather_local
 
     order = tuple(sorted(infos))
@@ -112,7 +113,7 @@ def install(module: nn.Module, infos: dict[str, Any]) -> None:
             scope = {}
             with torch.no_grad():
                 for n, t in zip(order, locals_):
-                    scope[n] = gather_local(t, infos[n])
+                    scope[n] = for_module(gather_local(t, infos[n]), infos[n])
             SESSION.scopes[id(mod)] = scope
             return None
         k = None
@@ -122,7 +123,10 @@ def install(module: nn.Module, infos: dict[str, Any]) -> None:
                 break
         x = args[k] if k is not None else None
         outs = _ScopeNode.apply(ordered, x, *locals_)
-        SESSION.scopes[id(mod)] = dict(zip(order, outs[1:]))
+        scope = {}
+        for n, t in zip(order, outs[1:]):  # 2-D sharding: the TP DTensor (graphcomp.mesh_sharding)
+            scope[n] = for_module(t, infos[n])
+        SESSION.scopes[id(mod)] = scope
         if k is None:
             return None
         return (*args[:k], outs[0], *args[k + 1:])

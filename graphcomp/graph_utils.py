@@ -54,6 +54,35 @@ def collective_kind(node: fx.Node) -> str | None:
     return COLLECTIVE_OPS.get(node.target._schema.name.split("::")[-1])
 
 
+def collective_group(node: fx.Node) -> str | None:
+    """The process-group name a functional collective runs on (its ``group_name``
+    argument), or None for any other node."""
+    if collective_kind(node) is None:
+        return None
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "group_name":
+            v = node.args[i] if i < len(node.args) else node.kwargs.get("group_name")
+            return v if isinstance(v, str) else getattr(v, "group_name", None)
+    return None
+
+
+def is_foreign_collective(node: fx.Node) -> bool:
+    """True for a collective that is not graphcomp's: once ``shard(mesh=...)`` has
+    sharded a model beside tensor parallelism, a collective on any group other than
+    those ``graphcomp.shard`` shards over (``SESSION.shard_groups``) is tensor
+    parallel's (DTensor may issue it on any of the equal meshes' groups, so the test
+    is "not ours", not "theirs"). The passes leave those alone: no fusing, bucketing,
+    freeing or moving. Without such a sharding (the 1-D path) nothing is foreign."""
+    from .session import SESSION
+
+    groups = SESSION.shard_groups
+    if not any(groups.values()):
+        return False
+    name = collective_group(node)
+    return name is not None and name not in groups
+
+
 def tensor_meta(node: fx.Node) -> Any:
     return node.meta.get("val", node.meta.get("tensor_meta"))
 
@@ -76,17 +105,19 @@ def nbytes(t: torch.Tensor) -> int:
 
 def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
     """Every collective in the graph with its kind, dtype, bytes on the wire
-    (output bytes for gathers, input bytes for reductions), and what the passes
+    (output bytes for gathers, input bytes for reductions), its group and ``foreign``
+    (on a group graphcomp did not shard over: tensor parallel), and what the passes
     decided about it: bucket id and parameters (bucket_collectives), the dtype of a
     fused downcast (fuse_allgather_downcast), whether it is resharded after forward
     (schedule_free) and how many nodes ahead of its first use it was issued
-    (schedule_prefetch); None where a pass did not touch it."""
+    (schedule_prefetch); None where a pass did not touch it. In a split graph,
+    ``piece`` names the piece that holds it."""
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_module":  # a piece of a split graph (partition_graph)
             sub = gm.get_submodule(str(n.target))
             if isinstance(sub, fx.GraphModule):
-                out.extend(collectives(sub))
+                out.extend(dict(c, piece=str(n.target)) for c in collectives(sub))
             continue
         kind = collective_kind(n)
         if kind is None:
@@ -107,6 +138,8 @@ def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
                 "fused_downcast": n.meta.get("graphcomp_fused_downcast"),
                 "resharded": n.meta.get("graphcomp_reshard"),
                 "prefetch_ahead": n.meta.get("graphcomp_prefetch_ahead"),
+                "group": collective_group(n),
+                "foreign": is_foreign_collective(n),
             }
         )
     return out
@@ -117,9 +150,14 @@ def has_cuda_tensors(gm: fx.GraphModule) -> bool:
     return any(t.device.type == "cuda" for n in gm.graph.nodes for t in tensor_values(n.meta.get("val")))
 
 
-def collective_bytes_by_dtype(colls: list[dict[str, Any]], kind: str | None = None) -> dict[str, int]:
+def collective_bytes_by_dtype(colls: list[dict[str, Any]], kind: str | None = None,
+                              foreign: bool = False) -> dict[str, int]:
+    """Bytes per dtype of graphcomp's collectives (``foreign=True``: of the
+    tensor-parallel ones instead)."""
     acc: dict[str, int] = collections.defaultdict(int)
     for c in colls:
+        if c.get("foreign", False) != foreign:
+            continue
         if kind is None or c["kind"] == kind:
             acc[c["dtype"]] += c["bytes"]
     return dict(acc)
@@ -218,7 +256,11 @@ def retype(node: fx.Node, dtype: torch.dtype) -> None:
 
 
 def gathers(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if is_target(n, c10d.all_gather_into_tensor.default)]
+    """graphcomp's all-gathers (tensor-parallel ones, on foreign groups, excluded)."""
+    return [
+        n for n in gm.graph.nodes
+        if is_target(n, c10d.all_gather_into_tensor.default) and not is_foreign_collective(n)
+    ]
 
 
 def single_wait(node: fx.Node) -> fx.Node | None:

@@ -42,6 +42,8 @@ class LlamaConfig:
 PRESETS: dict[str, LlamaConfig] = {
     # tests: a few hundred parameters per tensor, odd sizes so dim-0 shards are uneven
     "tiny": LlamaConfig(vocab_size=131, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=72, max_seq_len=64),
+    # tensor-parallel tests: "tiny" with a vocabulary divisible by 2, 4 and 8 (TP splits it)
+    "tiny-tp": LlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=72, max_seq_len=64),
     # `make demo`: trains in seconds on 2 CPU ranks
     "demo": LlamaConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=344, max_seq_len=128),
     # BENCHMARKS.md workloads
@@ -102,9 +104,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # heads counted from the projections (-1): under tensor parallelism each rank
+        # holds n_heads / tp query heads and n_kv_heads / tp key/value heads
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
@@ -182,6 +186,70 @@ class Llama(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def tp_plan(model: "Llama", *, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict[str, object]:
+    """The tensor-parallel plan of :class:`Llama` for
+    ``torch.distributed.tensor.parallel.parallelize_module(model, mesh["tp"], plan)``
+    (torchtitan's layout): attention ``wq``/``wk``/``wv`` and MLP ``w1``/``w3``
+    column-wise (each rank holds ``n_heads / tp`` heads and ``ffn_dim / tp`` hidden
+    units), ``wo`` and ``w2`` row-wise (their partial sums are reduced over tp).
+
+    ``sequence_parallel`` (default): the residual stream between blocks is sharded
+    on the sequence (``Shard(1)``), so the norms run on ``seq / tp`` tokens
+    (``SequenceParallel``: their weights are replicated DTensors whose gradients are
+    reduced over tp) and each row-wise output is a reduce-scatter instead of an
+    all-reduce; the blocks all-gather the sequence on entry. Without it the residual
+    stream is replicated and the norms stay plain modules.
+
+    The embedding is row-wise (vocabulary rows split over tp; its output is reduced
+    over tp) and the head column-wise. ``loss_parallel``: the head's logits stay a
+    ``Shard(-1)`` DTensor (vocabulary-sharded, never gathered), and the model's
+    cross-entropy must run under ``torch.distributed.tensor.parallel.loss_parallel()``
+    (forward and backward); otherwise the logits are gathered (``Replicate``).
+
+    Requires ``n_heads``, ``n_kv_heads``, ``ffn_dim`` and ``vocab_size`` divisible by
+    the tp size, and with ``sequence_parallel`` the sequence length too. Blocks are
+    found by type, so a block inside a wrapper module gets its plan too.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, object] = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "head": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    # every Block, wherever it sits (a wrapper, e.g. an activation-checkpoint module, may hold it)
+    for pre in (name for name, mod in model.named_modules() if isinstance(mod, Block)):
+        plan.update({
+            f"{pre}.attn.wq": ColwiseParallel(),
+            f"{pre}.attn.wk": ColwiseParallel(),
+            f"{pre}.attn.wv": ColwiseParallel(),
+            f"{pre}.attn.wo": RowwiseParallel(output_layouts=seq),
+            f"{pre}.mlp.w1": ColwiseParallel(),
+            f"{pre}.mlp.w3": ColwiseParallel(),
+            f"{pre}.mlp.w2": RowwiseParallel(output_layouts=seq),
+        })
+        if sequence_parallel:
+            plan.update({
+                f"{pre}.attn_norm": SequenceParallel(),
+                f"{pre}.mlp_norm": SequenceParallel(),
+                # x (Shard(1) DTensor from the norm) -> whole sequence; cos/sin stay plain
+                f"{pre}.attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                f"{pre}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    return plan
 
 
 class TinyMLP(nn.Module):

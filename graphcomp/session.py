@@ -9,6 +9,7 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
 * ``scopes`` -- open eager gather scopes (``graphcomp.gather_scope``);
 * ``pass_registry`` -- the passes the pipeline runs (built once from
   ``graphcomp.pipeline.PASS_ORDER``; kept by ``reset()``);
+* ``shard_groups`` -- the groups ``graphcomp.shard`` shards over (kept by ``reset()``);
 * ``runtime`` -- the CUDA-graph runtime (``graphcomp.runtime.manager.Runtime``: pool,
   capture stream, runners, ledger). The runtime package creates it and attaches it here
   when it is imported, so this module imports nothing of graphcomp.
@@ -88,6 +89,12 @@ class Session:
         self.runtime: Any = None  # attached by graphcomp.runtime.manager
         # the pass registry (graphcomp.pipeline builds it on first use; reset() keeps it)
         self.pass_registry: Any = None
+        # process-group names graphcomp.shard() shards over -> True when sharded by
+        # shard(mesh=...) beside tensor parallelism. While such a sharding exists, a
+        # collective on any other group is tensor parallel's: the passes leave it alone
+        # (graph_utils.is_foreign_collective). Kept by reset() (it describes sharded
+        # models, not compiles); emptied when the process group is destroyed
+        self.shard_groups: dict[str, bool] = {}
         self._frame_ids = itertools.count()
 
     def next_frame_id(self) -> int:

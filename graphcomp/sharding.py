@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import _compat, gather_scope
+from . import _compat, gather_scope, mesh_sharding
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,13 @@ class ShardInfo:
     """dtype of the gradient reduce-scatter."""
     group_name: str
     world_size: int
+    tp: Any = None
+    """2-D sharding (``shard(mesh=...)``): the tensor-parallel view module code sees
+    (a ``graphcomp.mesh_sharding.TPLayout``; ``shape`` is then the tp-local shape),
+    or None (a plain parameter)."""
+    mesh_dim: int = 0
+    """The dimension of the parameter's device mesh that is sharded here (2-D: the
+    dp dimension's index in the parameter's 2-D mesh)."""
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -158,15 +165,17 @@ def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     local = param.to_local() if isinstance(param, _dtensor_cls()) else param
     if info.world_size == 1:
         out = local.narrow(0, 0, info.rows).reshape(info.shape)
-        return out if info.param_dtype is None else out.to(info.param_dtype)
-    return _GatherParam.apply(
-        local, info.rows, info.shape, info.param_dtype, info.reduce_dtype, info.group_name, info.world_size
-    )
+        out = out if info.param_dtype is None else out.to(info.param_dtype)
+    else:
+        out = _GatherParam.apply(
+            local, info.rows, info.shape, info.param_dtype, info.reduce_dtype, info.group_name, info.world_size
+        )
+    return out if info.tp is None else mesh_sharding.for_module(out, info)
 
 
 def _mark_eager_frames() -> None:
     """Reads from eager code stay eager Python (see graphcomp.gather_scope)."""
-    _compat.skip_top_level_frames(_make_property("_").fget, gather)
+    _compat.skip_top_level_frames(_make_property("_").fget, gather, mesh_sharding.for_module)
 
 
 # -------------------------------------------------------- module class swapping
@@ -227,7 +236,7 @@ def _is_shard_of(value: torch.Tensor, info: ShardInfo, current: torch.Tensor) ->
     if not isinstance(value, D) or not isinstance(current, D):
         return False
     return (
-        tuple(value.shape) == info.padded_shape
+        tuple(value.shape) == tuple(current.shape)
         and value.placements == current.placements
         and value.device_mesh == current.device_mesh
     )
@@ -289,7 +298,7 @@ def shard_info(module: nn.Module, name: str) -> ShardInfo:
 
 # ---------------------------------------------------------------- validation
 def _validate(
-    model: nn.Module, group: Any, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype
+    model: nn.Module, group: Any, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, allow_dtensor: bool = False
 ) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"graphcomp.shard expects an nn.Module, got {type(model).__name__}")
@@ -328,10 +337,11 @@ def _validate(
     D = _dtensor_cls()
     for mname, _mod, pname, p in owners:
         fqn = _join(mname, pname)
-        if isinstance(p, D):
+        if isinstance(p, D) and not allow_dtensor:
             raise RuntimeError(
                 f"graphcomp.shard: parameter {fqn!r} is already a DTensor (sharded by graphcomp, FSDP2 or "
-                "tensor parallelism); graphcomp.shard takes a model of plain parameters"
+                "tensor parallelism); graphcomp.shard takes a model of plain parameters, or, for tensor "
+                "parallelism on a mesh dimension, shard(model, mesh=mesh, dp_dim=<the other dimension>)"
             )
         if first_dev is None:
             first_dev = (fqn, p.device)
@@ -359,11 +369,20 @@ def shard(
     model: nn.Module,
     group: Any = None,
     *,
+    mesh: Any = None,
+    dp_dim: str | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Shard every parameter of ``model`` along dim 0 over ``group`` (default:
     the world), in place; returns ``model``.
+
+    ``mesh`` (instead of ``group``): shard over one dimension of a ``DeviceMesh``:
+    a 1-D mesh (``mesh2d["dp"]``), or a mesh with more dimensions and ``dp_dim``
+    naming the one to shard over. Parameters that tensor parallelism made DTensors
+    on another dimension of the same mesh (``parallelize_module(model,
+    mesh2d["tp"], plan)``) become 2-D DTensors, gathered over ``dp_dim`` only:
+    module code sees its TP DTensor as before (see ``graphcomp.mesh_sharding``).
 
     ``param_dtype``: dtype the gathered parameters are cast to for compute
     (floating parameters only; never wider than a parameter). ``reduce_dtype``:
@@ -372,7 +391,16 @@ def shard(
     Reading ``module.weight`` returns the gathered full tensor (a fresh tensor:
     writing into it does not change the shard); see the module docstring.
     """
-    owners = _validate(model, group, param_dtype, reduce_dtype)
+    plan = None
+    if mesh is not None or dp_dim is not None:
+        if mesh is None:
+            raise ValueError(f"graphcomp.shard: dp_dim={dp_dim!r} names a dimension of mesh=, which is missing")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"graphcomp.shard expects an nn.Module, got {type(model).__name__}")
+        plan = mesh_sharding.resolve(model, group, mesh, dp_dim, list(_iter_owners(model)))
+        group = plan.group
+    two_d = plan is not None and plan.param_mesh is not None
+    owners = _validate(model, group, param_dtype, reduce_dtype, allow_dtensor=two_d)
     _mark_eager_frames()
     if group is None:
         group = dist.group.WORLD
@@ -385,7 +413,7 @@ def shard(
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = DeviceMesh.from_group(group, device.type)
+    mesh = plan.dp_mesh if plan is not None else DeviceMesh.from_group(group, device.type)
 
     new_params: dict[int, tuple[nn.Parameter, ShardInfo]] = {}
     per_module: dict[int, tuple[nn.Module, dict[str, ShardInfo]]] = {}
@@ -393,7 +421,9 @@ def shard(
     for mname, mod, pname, p in owners:
         if id(p) not in new_params:
             fqn = _join(mname, pname)
-            shape = tuple(p.shape)
+            tp = mesh_sharding.tp_layout(p) if two_d and isinstance(p, DTensor) else None
+            src = p.to_local() if tp is not None else p  # 2-D: the tp-local tensor is what is sharded
+            shape = tuple(src.shape)
             rows = shape[0] if shape else 1
             row_shape = shape[1:]
             pdt = param_dtype if (param_dtype is not None and p.is_floating_point() and param_dtype != p.dtype) else None
@@ -407,15 +437,20 @@ def shard(
                 reduce_dtype=reduce_dtype,
                 group_name=group_name,
                 world_size=world,
+                tp=tp,
+                mesh_dim=plan.dp_index if two_d else 0,
             )
             with torch.no_grad():
-                local = _padded_local(_row_slice(p.detach(), info, rank), info, p)
-            dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+                local = _padded_local(_row_slice(src.detach(), info, rank), info, src)
+            if two_d:
+                dt = mesh_sharding.make_param(local, info, plan)
+            else:
+                dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
             newp = nn.Parameter(dt, requires_grad=p.requires_grad)
             for k, v in vars(p).items():  # user tags on the parameter (e.g. no-weight-decay flags)
                 setattr(newp, k, v)
             new_params[id(p)] = (newp, info)
-            row_bytes = math.prod(row_shape) * p.element_size()
+            row_bytes = math.prod(row_shape) * src.element_size()
             n_bytes += rows * row_bytes
             local_bytes += info.chunk * row_bytes
             pad_bytes += (world * info.chunk - rows) * row_bytes
@@ -430,6 +465,7 @@ def shard(
         gather_scope.install(mod, infos)
         mod.register_state_dict_post_hook(_state_dict_post_hook)
         mod.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    mesh_sharding.register(group_name, two_d)
 
     log.info(
         "graphcomp.shard: %d parameters (%d bytes) sharded over %d ranks of group %s; %d bytes per rank, "
@@ -446,6 +482,8 @@ def _logical_dtensor(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = param.device_mesh
+    if mesh.ndim > 1:
+        return mesh_sharding.logical_dtensor(param, info)
     local = param.detach().to_local()
     rank = mesh.get_local_rank()
     if not info.shape:
@@ -473,6 +511,8 @@ def _to_padded(value: Any, param: torch.Tensor, info: ShardInfo, key: str) -> to
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = param.device_mesh
+    if mesh.ndim > 1:
+        return mesh_sharding.to_padded(value, param, info, key)
     rank = mesh.get_local_rank()
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{key}: expected a tensor in the state dict, got {type(value).__name__}")

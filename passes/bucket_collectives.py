@@ -22,6 +22,12 @@ bucket is ready::
     pack_for_reduce_scatter([g_0..g_k]) -> reduce_scatter -> wait
         -> split_with_sizes -> getitem i -> view(orig shape) -> users_i
 
+Only graphcomp's own collectives are candidates: tensor-parallel ones (on a group
+``shard(mesh=...)`` did not shard over, ``graph_utils.is_foreign_collective``) are
+skipped, neither bucketed nor breaking a run (they sit between the parameter
+gathers, which read only shards, and the gradient reduce-scatters, whose results
+only leave the graph). A bucket is one group by construction (the key).
+
 Buckets depend only on the graph and the config (order and byte sizes), never on
 timing or memory, so every rank makes the same buckets and issues the same
 collectives in the same order. No-op when there are fewer than two collectives
@@ -77,7 +83,7 @@ def _items(gm: fx.GraphModule, target: object, kind: str, ctx: PassContext) -> l
     """Candidate collectives in graph order; None marks one that breaks a bucket run."""
     out: list[_Item | None] = []
     for n in gm.graph.nodes:
-        if not gu.is_target(n, target):
+        if not gu.is_target(n, target) or gu.is_foreign_collective(n):
             continue
         wait = gu.single_wait(n)
         src = n.args[0]

@@ -59,7 +59,7 @@ No-op (recorded, counted ``skipped:<reason>``) when: there is no ``cross_entropy
 call; class ``weight=``, ``label_smoothing != 0``, ``reduction="none"``, the legacy
 ``size_average``/``reduce`` arguments or non-constant arguments; the input is not
 ``[N, vocab]`` with class-index targets ``[N]`` (probability targets, extra class
-dims); a symbolic vocabulary size; autocast active around the loss or the whole
+dims); DTensor logits (tensor-parallel loss parallel); a symbolic vocabulary size; autocast active around the loss or the whole
 frame (autocast would pick the op's dtypes, the custom op would not follow it). A
 ``linear`` with a bias, one inside an autocast region, or one whose output has
 other users gets the second form.
@@ -232,6 +232,9 @@ def _match(ce: fx.Node, in_autocast: set[fx.Node]) -> Match:
     if not isinstance(x, fx.Node) or not isinstance(target, fx.Node) or not isinstance(xv, torch.Tensor) \
             or not isinstance(tv, torch.Tensor):
         raise Skip("no_tensor_values")
+    if _is_dtensor(xv) or _is_dtensor(tv):
+        raise Skip("dtensor", "DTensor logits (loss parallel): the chunked op has no sharding rule; "
+                              "loss_parallel() already keeps the logits vocabulary-sharded")
     if xv.dim() != 2 or not xv.dtype.is_floating_point:
         raise Skip("input_not_2d", f"input {xv.dtype} {list(xv.shape)}; chunking needs [tokens, vocab]")
     if tv.dim() != 1 or tv.dtype != torch.int64:
@@ -244,6 +247,12 @@ def _match(ce: fx.Node, in_autocast: set[fx.Node]) -> Match:
     return Match(ce, chain, source, target, int(ignore), reduction, xv.dtype, xv.shape[0], vocab, fused)
 
 
+def _is_dtensor(v: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(v, DTensor)
+
+
 def _linear_ok(node: fx.Node, in_autocast: set[fx.Node]) -> bool:
     """Form 1 applies: a bias-free ``linear`` read only by the loss, outside
     autocast, computing in its inputs' dtype with a static hidden size."""
@@ -253,6 +262,8 @@ def _linear_ok(node: fx.Node, in_autocast: set[fx.Node]) -> bool:
     h, w = (list(node.args[:2]) + [node.kwargs.get("input"), node.kwargs.get("weight")])[:2]
     hv, wv, ov = _val(h), _val(w), _val(node)
     if bias is not None or not all(isinstance(v, torch.Tensor) for v in (hv, wv, ov)):
+        return False
+    if any(_is_dtensor(v) for v in (hv, wv, ov)):  # a tensor-parallel head: its DTensor ops stay
         return False
     return (wv.dim() == 2 and hv.dim() >= 1 and isinstance(hv.shape[-1], int) and hv.dtype == wv.dtype == ov.dtype
             and hv.device == wv.device)

@@ -19,6 +19,9 @@ The backward of the cast (grad -> fp32 before the reduce-scatter) is untouched.
 No-op when: the graph has no all-gather (world size 1, unsharded model); or each
 gathered value is used in its own dtype (no cast), cast to a wider dtype, cast to
 several dtypes, or also used uncast. Each skipped gather is counted by reason.
+Tensor-parallel all-gathers (on a group ``shard(mesh=...)`` did not shard over,
+``graph_utils.is_foreign_collective``) are never matched: only graphcomp's
+parameter gathers are.
 """
 
 from __future__ import annotations

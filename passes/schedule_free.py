@@ -28,6 +28,10 @@ resharded) logs a warning, is recorded, and reshards everything. No tag uses
 between tagged nodes that both have one, so untagged ids change nothing (same
 code in torch 2.11 and 2.13).
 
+Tensor-parallel all-gathers (activations, on a group ``shard(mesh=...)`` did not
+shard over: ``graph_utils.is_foreign_collective``) are not parameter gathers: never
+tagged, so the partitioner treats them as any other collective.
+
 No-op when the graph has no all-gather, or (inference) no backward.
 """
 
@@ -126,6 +130,8 @@ def gather_groups(gm: fx.GraphModule, bwd: set[fx.Node] | None = None) -> list[G
     groups = []
     for n in gm.graph.nodes:
         if not gu.is_target(n, c10d.all_gather_into_tensor.default) or (bwd and n in bwd):
+            continue
+        if gu.is_foreign_collective(n):
             continue
         wait = gu.single_wait(n)
         g = GatherGroup(coll=n, wait=wait)

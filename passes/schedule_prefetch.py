@@ -29,6 +29,10 @@ its original order) and the collective groups:
   reduce-scatter inputs in flight (the oldest is waited just before a new one
   would pass the cap: an input buffer stays allocated until its wait).
 
+Tensor-parallel collectives (on a group ``shard(mesh=...)`` did not shard over,
+``graph_utils.is_foreign_collective``) are not groups: they stay in ``B``, in their
+traced order, with their waits where they were.
+
 The new order is a priority topological sort, so it is always valid, and the
 priorities depend only on the graph and the config: every rank issues the same
 collectives in the same order. No-op when the graph has no collective.
@@ -107,6 +111,8 @@ def _groups(gm: fx.GraphModule, idx: dict[fx.Node, int]) -> list[_Group]:
         elif gu.is_target(n, c10d.reduce_scatter_tensor.default):
             kind, ops = "rs", RS_PRE_OPS
         else:
+            continue
+        if gu.is_foreign_collective(n):
             continue
         wait = gu.single_wait(n)
         if wait is None:
@@ -232,8 +238,10 @@ reorder = gu.priority_topo_sort
 # a piece boundary never splits the order this pass chose)
 @register_pass("schedule_prefetch", stages=("fwd", "bwd"), before=("partition_graph",))
 def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    if not any(gu.collective_kind(n) in ("all_gather", "reduce_scatter") for n in gm.graph.nodes):
-        return ctx.unchanged(gm, "no all_gather / reduce_scatter in the graph")
+    if not any(gu.collective_kind(n) in ("all_gather", "reduce_scatter") and not gu.is_foreign_collective(n)
+               for n in gm.graph.nodes):
+        return ctx.unchanged(gm, "no all_gather / reduce_scatter of graphcomp's in the graph (tensor-parallel "
+                                 "ones stay in place)")
     if not gu.has_cuda_tensors(gm) and not ctx.frame.prefetch_cpu_graphs:
         # CPU (gloo): no compute/communication overlap to gain. And with several
         # gloo collectives in flight, multi-rank CPU training crashed intermittently
