@@ -25,7 +25,7 @@ import torch.distributed as dist
 import graphcomp
 from graphcomp.models import Llama, get_config, synthetic_batch, tp_plan
 from graphcomp.sharding import full_state_dict
-from graphcomp.state import STATE
+
 
 STEPS, BATCH, SEQ = 10, 4, 32
 # (name, codegen, cudagraphs, loss_parallel, param_dtype)
@@ -60,7 +60,7 @@ def reference(device):
 def tp_collectives() -> list[dict]:
     """Every TP collective of the compiled fwd/bwd graphs with its piece's mode."""
     out = []
-    for f in STATE.frames:
+    for f in graphcomp.frame_summaries():
         for stage in ("fwd", "bwd"):
             st = f["stages"].get(stage)
             if not st:
@@ -133,7 +133,7 @@ def main():
                  "tp_collectives": len(colls),
                  "tp_collectives_by_stage": {s: sum(c["stage"] == s for c in colls) for s in ("fwd", "bwd")},
                  "tp_collectives_not_captured": [c for c in colls if c["mode"] != "cudagraph"],
-                 "graphcomp_collectives": sum(1 for f in STATE.frames for s in ("fwd", "bwd")
+                 "graphcomp_collectives": sum(1 for f in graphcomp.frame_summaries() for s in ("fwd", "bwd")
                                               for c in f["stages"].get(s, {}).get("collectives", []) if not c["foreign"])}
         if pdt is None:
             entry["loss_max_rel"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
