@@ -31,7 +31,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import graphcomp  # noqa: E402
-import graphcomp.state  # noqa: E402
 from graphcomp.models import Llama, synthetic_batch  # noqa: E402
 
 STEPS = 20
