@@ -68,7 +68,7 @@ def _reference_step(opt, lr_tensors, max_norm=1.0):
     if not bool(torch.isfinite(total)):
         return total
     saved = [g["lr"] for g in opt.param_groups]
-    for g, t in zip(opt.param_groups, lr_tensors):
+    for g, t in zip(opt.param_groups, lr_tensors or ()):  # (None: the optimizer as the user built it)
         t.fill_(g["lr"])
         g["lr"] = t
     try:
@@ -101,10 +101,15 @@ def numerics(rank: int, world: int, kind: str, set_to_none: bool = True, micro: 
     graphcomp.shard(m)
     rm = copy.deepcopy(m)  # the twin: gets the same gradients, steps eagerly
     cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager"})
-    o, ro = _optimizer(m.parameters(), kind, False), _optimizer(rm.parameters(), kind, True)
-    sched, rsched = _schedule(o), _schedule(ro)
+    o = _optimizer(m.parameters(), kind, False)
+    sched = _schedule(o)
     step = graphcomp.optim.capture(o, max_norm=1.0)
-    lr_tensors = [torch.zeros((), dtype=torch.float32, device=device) for _ in ro.param_groups]
+    # the twin: the graph-safe form the captured step runs (capturable, a device-tensor lr),
+    # or, where graphcomp falls back to torch's own step, the optimizer as the user built it
+    fallback = step.stats()["mode"] == "reference"
+    ro = _optimizer(rm.parameters(), kind, not fallback)
+    rsched = _schedule(ro)
+    lr_tensors = None if fallback else [torch.zeros((), dtype=torch.float32, device=device) for _ in ro.param_groups]
     first_bad = None
     norms_equal = True
     for s in range(STEPS):
