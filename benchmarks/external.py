@@ -12,8 +12,10 @@ graphcomp contract (DESIGN.md)::
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from . import workloads
 from .systems import (
@@ -128,7 +130,29 @@ def _raw_counters(graphcomp) -> dict:
         return {"repr": repr(c)}
 
 
-def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None) -> Built:
+def captured_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device, autocast: bool,
+                  capture: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The standard step with clipping + ``opt.step()`` as graphcomp's captured step
+    (``graphcomp.optim.capture(opt, max_norm=CLIP)``: one CUDA graph replay) and
+    ``zero_grad(set_to_none=False)`` (the gradients stay where the graph reads them)."""
+    run = capture(opt, max_norm=CLIP)
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=BF16, enabled=autocast):
+            loss = model(tokens, targets)
+        loss.backward()
+        run()
+        opt.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    step.captured = run  # type: ignore[attr-defined]
+    return step
+
+
+def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None,
+                    eager_optimizer: bool = False) -> Built:
+    """``eager_optimizer``: torch's eager clip + step (the ``graphcomp-eager_optimizer``
+    system) instead of graphcomp's captured step (``graphcomp``, on CUDA)."""
     graphcomp = _import_graphcomp()
     options: dict = {}
     if enable is not None:  # graphcomp-with_<pass>: a pass that is off by default, switched on
@@ -204,7 +228,28 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
             out["counters_measured"] = counters_delta(window["start"], window["end"])
         return out
 
-    step = tp_step(compiled, opt) if ctx.tp > 1 else standard_step(compiled, opt, ctx.device, autocast=not sharded)
+    capture = getattr(getattr(graphcomp, "optim", None), "capture", None)
+    if ctx.tp > 1:
+        step = tp_step(compiled, opt)
+        cfg["optimizer_step"] = "eager clip_grad_norm_ + opt.step() (tensor parallel: captured step not measured)"
+    elif eager_optimizer or capture is None:
+        step = standard_step(compiled, opt, ctx.device, autocast=not sharded)
+        cfg["optimizer_step"] = "eager clip_grad_norm_ + opt.step(), zero_grad(set_to_none=True)"
+    else:
+        step = captured_step(compiled, opt, ctx.device, not sharded, capture)
+        cfg["optimizer_step"] = (f"graphcomp.optim.capture(opt, max_norm={CLIP}) (clip + step as one CUDA graph; "
+                                 "torch's eager clip + step without CUDA), zero_grad(set_to_none=False)")
+    base_stats = stats
+
+    def stats() -> dict:  # noqa: F811 - adds the captured step's own record
+        out = base_stats()
+        run = getattr(step, "captured", None)
+        if run is not None:
+            run.sync_counters()
+            out["optimizer"] = {k: v for k, v in run.stats().items() if k != "decisions"}
+            out["optimizer"]["decisions"] = run.stats()["decisions"][-3:]
+        return out
+
     return Built(step=step, config=cfg, compiles=True,
                  keep=[compiled, model, opt], teardown=teardown, stats=stats, on_window=on_window)
 
@@ -252,6 +297,10 @@ def memory_estimate(opt: torch.optim.Optimizer, codegen: str = "inductor") -> di
         out["estimated_step_peak_bytes"] = max(peaks.values()) + state_bytes
         out["estimated_step_peak_bytes_unfused"] = max(unfused.values()) + state_bytes
     return out
+
+
+def build_graphcomp_eager_optimizer(ctx: Ctx) -> Built:
+    return build_graphcomp(ctx, eager_optimizer=True)
 
 
 def make_ablation_builder(pass_name: str):
@@ -355,6 +404,7 @@ def build_deepcompile(ctx: Ctx) -> Built:
 
 EXTERNAL_BUILDERS = {
     "graphcomp": build_graphcomp,
+    "graphcomp-eager_optimizer": build_graphcomp_eager_optimizer,
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,
 }

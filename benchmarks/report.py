@@ -22,6 +22,7 @@ METRIC_KEYS = (
     "tokens_per_s_per_gpu",     # micro-batch * seq / median measured step time (per rank)
     "step_time_ms_median",      # median over the measured steps, max over ranks
     "step_times_ms",            # every measured step (rank 0)
+    "host_ms_per_step_median",  # host wall time inside step() (no sync; blocks only on a full launch queue), max over ranks
     "mfu",                      # flops_per_token * tokens/s/GPU / 989e12
     "mfu_vs_measured_matmul",   # same numerator / bf16 matmul rate measured in this run (CUDA only)
     "peak_mem_allocated_gib",   # torch.cuda.max_memory_allocated, max over ranks (CUDA only)
@@ -219,7 +220,7 @@ def markdown(result: dict) -> str:
              f"matmul bf16 measured: {_fmt(env['matmul_bf16_tflops_measured'], '.0f')} TFLOP/s", ""]
     base = [b for b in BASELINES if _num(systems.get(b, {}).get("metrics", {}).get("tokens_per_s_per_gpu"))]
     head = (["system", "tokens/s/GPU"] + [f"× {b}" for b in base] +
-            ["MFU", "MFU/matmul", "step ms", "peak alloc GiB", "peak resv GiB", "compile s (cold/warm)",
+            ["MFU", "MFU/matmul", "step ms", "host ms", "peak alloc GiB", "peak resv GiB", "compile s (cold/warm)",
              "loss first → last", "GPU idle", "exposed comm"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in systems.items():
@@ -231,7 +232,8 @@ def markdown(result: dict) -> str:
         ratios = [_fmt(tps / systems[b]["metrics"]["tokens_per_s_per_gpu"], ".2f") + "×" for b in base]
         row = ([name, _fmt(tps, ",.0f")] + ratios +
                [_pct(m["mfu"]), _pct(m["mfu_vs_measured_matmul"]),
-                _fmt(m["step_time_ms_median"], ".1f"), _fmt(m["peak_mem_allocated_gib"], ".2f"),
+                _fmt(m["step_time_ms_median"], ".1f"), _fmt(m.get("host_ms_per_step_median"), ".2f"),
+                _fmt(m["peak_mem_allocated_gib"], ".2f"),
                 _fmt(m["peak_mem_reserved_gib"], ".2f"),
                 f"{_fmt(m['compile_cold_s'], '.1f')} / {_fmt(m['compile_warm_s'], '.1f')}",
                 f"{_fmt(m['loss_first'], '.4f')} → {_fmt(m['loss_last'], '.4f')}",

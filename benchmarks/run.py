@@ -223,14 +223,17 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
         P(f"[bench] system={name} first step {cold:.1f} s{' (compile)' if built.compiles else ''} "
           f"loss={loss0.item():.4f}")
         timer = measure.StepTimer(device)
+        host: list[float] = []  # wall time of each measured step() call on the host (no synchronization)
         t_log, last = time.perf_counter(), 0
         for s in range(1, total):
             if s == w.warmup:
                 if built.on_window is not None:
                     built.on_window("start")
                 timer.mark()
+            h0 = time.perf_counter()
             losses.append(built.step(*batches[s]))
             if s >= w.warmup:
+                host.append((time.perf_counter() - h0) * 1e3)
                 timer.mark()
             if (s + 1) % args.log_every == 0 or s == total - 1:
                 lv = losses[-1].item()
@@ -247,11 +250,12 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
         if ctx.world > 1:
             dist.all_reduce(loss_t)
             loss_t /= ctx.world
-        med, alloc, resv = measure.allreduce_floats([measure.median(times), alloc, resv], "max", device)
+        med, alloc, resv, host_med = measure.allreduce_floats(
+            [measure.median(times), alloc, resv, measure.median(host)], "max", device)
         m = res["metrics"]
         tps = w.batch * w.seq / ctx.tp / (med / 1e3)  # a dp group's tp GPUs share its micro-batch
         fpt = ctx.flops_per_token if ctx.flops_per_token is not None else workloads.model_info(w)["flops_per_token"]
-        m.update(tokens_per_s_per_gpu=tps, step_time_ms_median=med, step_times_ms=[round(t, 3) for t in times],
+        m.update(tokens_per_s_per_gpu=tps, step_time_ms_median=med, host_ms_per_step_median=host_med, step_times_ms=[round(t, 3) for t in times],
                  mfu=fpt * tps / measure.PEAK_BF16_FLOPS,
                  mfu_vs_measured_matmul=(fpt * tps / (matmul_tflops * 1e12)) if matmul_tflops else None,
                  peak_mem_allocated_gib=alloc, peak_mem_reserved_gib=resv, compile_cold_s=cold,

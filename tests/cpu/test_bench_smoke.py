@@ -30,7 +30,7 @@ MUST_RUN = ("fsdp2", "ddp", "ddp_compile", "fsdp2_compile")  # torch-native: alw
 REQUIRED_METRICS = (
     "tokens_per_s_per_gpu", "step_time_ms_median", "mfu", "mfu_vs_measured_matmul",
     "peak_mem_allocated_gib", "peak_mem_reserved_gib", "compile_cold_s", "compile_warm_s",
-    "loss_first", "loss_last", "losses", "gpu_idle_share",
+    "loss_first", "loss_last", "losses", "gpu_idle_share", "host_ms_per_step_median",
 )
 REQUIRED_ENV = ("date", "device_name", "torch", "nccl", "cuda", "git_commit", "world_size",
                 "matmul_bf16_tflops_measured")
@@ -114,6 +114,10 @@ def test_smoke_graphcomp_runs_or_says_why(smoke):
     assert g["status"] in ("ok", "not run"), f"graphcomp {g['status']}: {g['reason']}"
     if g["status"] == "ok":
         assert _num(g["metrics"]["tokens_per_s_per_gpu"])
+        assert _num(g["metrics"]["host_ms_per_step_median"]) and g["metrics"]["host_ms_per_step_median"] > 0
+        # the graphcomp system steps through graphcomp.optim.capture (eager on a CPU: torch's own step)
+        assert g["config"]["optimizer_step"].startswith("graphcomp.optim.capture"), g["config"]
+        assert g["stats"]["optimizer"]["mode"] == "reference", g["stats"]["optimizer"]
 
 
 @pytest.mark.slow
@@ -189,6 +193,8 @@ def test_expand_systems_order_and_errors():
     assert names == ["fsdp2", "ddp_compile", "deepspeed_z3", "deepcompile"]
     with pytest.raises(SystemExit, match="unknown system"):
         expand_systems("fsdp3", False)
+    assert [n for n, _ in expand_systems("graphcomp,graphcomp-eager_optimizer", False)] == [
+        "graphcomp", "graphcomp-eager_optimizer"]
     abl = [n for n, _ in expand_systems("graphcomp-no_nonexistent_pass", False)]
     assert abl == ["graphcomp-no_nonexistent_pass"]
 
