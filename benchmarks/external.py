@@ -171,6 +171,8 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         if not passes[disable]:
             raise NotRun(f"pass {disable!r} is off by default: nothing to ablate")
         options["passes"] = {disable: False}
+    if ctx.memory_cap_bytes is not None:  # --memory-cap: graphcomp plans (remat, prefetch) under it
+        options["memory_budget"] = ctx.memory_cap_bytes
     backend, backend_desc = _resolve_backend(graphcomp)
     model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
     # One rank: BENCHMARKS.md's 1-GPU target is "graphcomp (no sharding)" vs plain

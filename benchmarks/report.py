@@ -172,6 +172,22 @@ def strongest_peer(systems: dict[str, dict]) -> str | None:
     return max(ran, key=ran.get) if ran else None
 
 
+def fastest_variants(systems: dict[str, dict]) -> dict[str, str]:
+    """For each system run in several checkpointing configurations (``X``, ``X-ac``,
+    ``X-noac``): the name of its fastest configuration that ran (under ``--memory-cap``,
+    the fastest that fits)."""
+    groups: dict[str, list[str]] = {}
+    for n in systems:
+        base = n[:-3] if n.endswith("-ac") else n[:-5] if n.endswith("-noac") else n
+        groups.setdefault(base, []).append(n)
+    out = {}
+    for base, names in groups.items():
+        ok = [n for n in names if systems[n]["status"] == "ok" and _num(systems[n]["metrics"]["tokens_per_s_per_gpu"])]
+        if len(names) > 1 and ok:
+            out[base] = max(ok, key=lambda n: systems[n]["metrics"]["tokens_per_s_per_gpu"])
+    return out
+
+
 def _target_text(t: dict) -> str:
     if t["kind"] == "speed":
         want = f"{t['system']} tokens/s ≥ {t['min']}× {t['baseline']}"
@@ -250,6 +266,12 @@ def markdown(result: dict) -> str:
         pt = systems[peer]["metrics"]["tokens_per_s_per_gpu"]
         lines += ["", f"Strongest peer ({', '.join(PEERS)}) in this run: `{peer}`, {_fmt(pt, ',.0f')} tokens/s/GPU"
                       + (f"; graphcomp / {peer} = {gt / pt:.2f}×" if _num(gt) else "")]
+    best = fastest_variants(systems)
+    if best:
+        cap = result["env"].get("memory_cap_gib")
+        lines += ["", "Fastest configuration of each system run with and without activation checkpointing"
+                  + (f" that fits under --memory-cap {cap:g} GiB" if cap else "") + ": "
+                  + "; ".join(f"`{b}`: `{n}`" for b, n in best.items())]
     est_lines = []
     for name, r in systems.items():
         est = (r.get("stats") or {}).get("memory_estimate") or {}

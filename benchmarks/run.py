@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -64,6 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "and step counts follow the size unless given")
     p.add_argument("--hf-dropout", type=float,
                    help="hf-* workloads: set every dropout of the model (default: the family's own)")
+    p.add_argument("--memory-cap", type=float, default=None, metavar="GiB",
+                   help="CUDA: every system must fit under this many GiB per GPU (torch.cuda.set_per_process_memory_"
+                        "fraction; a system that does not fit fails with the reason); graphcomp gets it as its "
+                        "memory_budget. Pair with <system>-ac / <system>-noac to find the fastest configuration that fits")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: ranks form a (world/N, N) mesh ('dp', 'tp'); graphcomp (TP plan + "
                         "shard over dp) vs fsdp2/fsdp2_compile + TP (torchtitan's recipe); Llama workloads only")
@@ -111,9 +116,34 @@ def setup_distributed(args) -> tuple[torch.device, int, int]:
     return device, rank, world
 
 
+AC_SUFFIXES = {"-ac": True, "-noac": False}
+"""``<system>-ac`` / ``<system>-noac``: the system with activation checkpointing per
+block switched on / off whatever the workload's default (W3 checkpoints by default)."""
+
+
+def _with_checkpointing(builder, on: bool):
+    """``builder`` run on the workload with ``activation_checkpointing=on``."""
+    def build(ctx: Ctx):
+        w = ctx.workload
+        if w.family is not None and on:
+            raise NotRun(f"activation checkpointing is not supported for the HF workload {w.name!r}")
+        return builder(dataclasses.replace(ctx, workload=dataclasses.replace(w, activation_checkpointing=on)))
+
+    return build
+
+
 def expand_systems(spec: str, ablation: bool) -> list[tuple[str, object]]:
     """[(name, builder | NotRun)] in run order (DeepSpeed systems last)."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
+    ac_names = []
+    for n in names:  # fsdp2_compile-noac: the base system on the workload with checkpointing off
+        suffix = next((x for x in AC_SUFFIXES if n.endswith(x)), None)
+        if suffix is not None:
+            base = n[: -len(suffix)]
+            if base not in ALL_BUILDERS:
+                raise SystemExit(f"unknown system {base!r} in {n!r}; '{suffix}' follows one of {sorted(ALL_BUILDERS)}")
+            ac_names.append(n)
+    names = [n for n in names if n not in ac_names]
     if "all" in names:
         i = names.index("all")
         names[i:i + 1] = ["graphcomp", "fsdp2", "fsdp2_compile", "ddp", "ddp_compile", "inductor",
@@ -138,6 +168,9 @@ def expand_systems(spec: str, ablation: bool) -> list[tuple[str, object]]:
         else:
             raise SystemExit(f"unknown system {n!r}; valid: {sorted(ALL_BUILDERS)}, {ABLATION_PREFIX}<pass>, "
                              f"graphcomp-ablation, all")
+    for n in ac_names:
+        suffix = next(x for x in AC_SUFFIXES if n.endswith(x))
+        out.append((n, _with_checkpointing(ALL_BUILDERS[n[: -len(suffix)]], AC_SUFFIXES[suffix])))
     seen, uniq = set(), []
     for n, b in out:
         if n not in seen:
@@ -300,7 +333,10 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
     except NotRun as e:
         res.update(status="not run", reason=str(e), metrics=report.empty_metrics())
     except Exception as e:  # noqa: BLE001 - record, never a number
-        res.update(status="failed", reason=_failure_text(e), metrics=report.empty_metrics())
+        why = _failure_text(e)
+        if ctx.memory_cap_bytes is not None and isinstance(e, torch.OutOfMemoryError):
+            why = f"does not fit under --memory-cap {ctx.memory_cap_bytes / 2**30:g} GiB: {why}"
+        res.update(status="failed", reason=why, metrics=report.empty_metrics())
     finally:
         _cleanup(built, device)
         built = None
@@ -380,7 +416,8 @@ def run_workload(w: workloads.Workload, systems, args, env: dict, device, rank: 
     batches = workloads.make_batches(w, w.warmup + w.steps, rank // args.tp, world // args.tp, args.seed, device)
     for name, builder in systems:
         ctx = Ctx(workload=w, device=device, rank=rank, world=world, seed=args.seed,
-                  flops_per_token=model_info["flops_per_token"], tp=args.tp)
+                  flops_per_token=model_info["flops_per_token"], tp=args.tp,
+                  memory_cap_bytes=None if args.memory_cap is None else int(args.memory_cap * 2**30))
         result["systems"][name] = run_system(name, builder, ctx, args, batches,
                                              env["matmul_bf16_tflops_measured"], P)
         result["loss_parity"] = report.loss_parity(result["systems"], w.warmup)
@@ -421,12 +458,22 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("benchmarks.run: --tp runs graphcomp's Llama workloads (W1, W2, W3, smoke-tp); the hf-* "
                          "workloads have no tensor-parallel plan in the harness")
     systems = expand_systems(args.systems, args.ablation)
+    if args.memory_cap is not None and (args.memory_cap <= 0 or args.cpu or not torch.cuda.is_available()):
+        raise SystemExit(f"benchmarks.run: --memory-cap {args.memory_cap}: needs a CUDA device and a positive "
+                         f"number of GiB (it caps torch.cuda's allocator per GPU)")
     device, rank, world = setup_distributed(args)
     P = Printer(rank)
     try:
         if world % args.tp:
             raise SystemExit(f"benchmarks.run: --tp {args.tp} does not divide the world size {world}")
+        if args.memory_cap is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            if args.memory_cap * 2**30 > total:
+                raise SystemExit(f"benchmarks.run: --memory-cap {args.memory_cap} GiB exceeds this GPU's "
+                                 f"{total / 2**30:.1f} GiB")
+            torch.cuda.set_per_process_memory_fraction(args.memory_cap * 2**30 / total, device)
         env = measure.environment(device, world)
+        env["memory_cap_gib"] = args.memory_cap
         mm = measure.bf16_matmul_tflops(device)
         env["matmul_bf16_tflops_measured"] = measure.allreduce_floats([mm], "min", device)[0]
         os.makedirs(args.out_dir, exist_ok=True)

@@ -50,6 +50,8 @@ class Ctx:
     """the model's FLOPs per token at the workload's seq (``workloads.model_info``)"""
     tp: int = 1
     """tensor-parallel degree (``--tp``): ranks form a (world // tp, tp) mesh ("dp", "tp")"""
+    memory_cap_bytes: int | None = None
+    """``--memory-cap``: the allocator's cap per GPU (graphcomp gets it as ``memory_budget``)"""
 
 
 @dataclass

@@ -249,3 +249,34 @@ def test_trace_overlap_measures_collective_time_under_compute(tmp_path):
     r = overlap_report(str(p))
     assert r["AllGather"]["kernels"] == 1 and r["AllGather"]["overlapped_share"] == pytest.approx(0.6)
     assert r["ReduceScatter"]["overlapped_share"] == 0.0 and "AllReduce" not in r
+
+
+def test_checkpointing_variants_and_memory_cap_arguments():
+    import dataclasses
+
+    from benchmarks import report, run, workloads
+    from benchmarks.systems import Ctx, NotRun
+
+    got = dict(run.expand_systems("fsdp2_compile,fsdp2_compile-noac,fsdp2_compile-ac", False))
+    assert list(got) == ["fsdp2_compile", "fsdp2_compile-noac", "fsdp2_compile-ac"]
+    with pytest.raises(SystemExit, match="unknown system 'fsdp3'"):
+        run.expand_systems("fsdp3-noac", False)
+    # the wrapper hands the base builder the workload with checkpointing switched
+    seen = []
+    build = run._with_checkpointing(lambda ctx: seen.append(ctx.workload.activation_checkpointing), False)
+    w3 = workloads.get_workload("W3")
+    assert w3.activation_checkpointing
+    build(Ctx(workload=w3, device=__import__("torch").device("cpu"), rank=0, world=1, seed=0))
+    assert seen == [False]
+    hf = workloads.get_workload("hf-llama")
+    with pytest.raises(NotRun, match="not supported for the HF workload"):
+        run._with_checkpointing(lambda ctx: None, True)(
+            Ctx(workload=hf, device=__import__("torch").device("cpu"), rank=0, world=1, seed=0))
+    # the fastest configuration that ran, per base system
+    sysd = {"fsdp2_compile": _fake(tps=100.0), "fsdp2_compile-noac": _fake("failed"),
+            "fsdp2_compile-ac": _fake(tps=120.0), "graphcomp": _fake(tps=300.0)}
+    assert report.fastest_variants(sysd) == {"fsdp2_compile": "fsdp2_compile-ac"}
+    # --memory-cap needs CUDA: refused before any process group starts
+    with pytest.raises(SystemExit, match="--memory-cap 70.0: needs a CUDA device"):
+        run.main(["--workload", "smoke", "--systems", "fsdp2", "--memory-cap", "70", "--cpu"])
+    assert dataclasses.fields(Ctx)[-1].name == "memory_cap_bytes"
