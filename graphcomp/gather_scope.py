@@ -39,7 +39,9 @@ import torch
 from torch import nn
 
 from . import _compat
+from .mesh_sharding import for_module
 from .session import SESSION
+from .shard_gather import gather, gather_local, reduce_grad
 
 
 
@@ -60,8 +62,6 @@ class _ScopeNode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, infos: tuple[Any, ...], x: torch.Tensor | None, *locals_: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        from .sharding import gather_local
-
         ctx.infos, ctx.device = infos, locals_[0].device
         ctx.local_shapes = [tuple(t.shape) for t in locals_]
         gathered = [gather_local(t, info) for t, info in zip(locals_, infos)]
@@ -69,8 +69,6 @@ class _ScopeNode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, gx: torch.Tensor | None, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        from .sharding import reduce_grad
-
         out = []
         for g, info, shape in zip(grads, ctx.infos, ctx.local_shapes):
             if g is None:  # not read on this rank: its reduce-scatter must still happen
@@ -83,9 +81,6 @@ class _ScopeNode(torch.autograd.Function):
 def install(module: nn.Module, infos: dict[str, Any]) -> None:
     """Open a scope around every eager forward of ``module`` over its sharded
     parameters ``infos`` (name -> ShardInfo)."""
-    from .mesh_sharding import for_module
-    from .sharding import gather, gather_local
-
     order = tuple(sorted(infos))
     ordered = tuple(infos[n] for n in order)
 

@@ -49,6 +49,7 @@ from torch import nn
 
 from . import _compat
 from .session import SESSION
+from .shard_layout import _INFO_ATTR, _contiguous_strides, _dtensor_cls, _padded_local, _row_slice
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +89,6 @@ class MeshPlan:
     @property
     def tp_size(self) -> int:
         return 1 if self.tp_mesh is None else self.tp_mesh.size()
-
-
-def _dtensor_cls() -> type:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
 
 
 def _dims(mesh: Any) -> tuple[str, ...] | None:
@@ -223,7 +218,6 @@ def _check_other_dims(root: Any, dp_name: str | None, tp_name: str | None, has_t
 
 
 def _check_not_sharded(model: nn.Module, dp_group_name: str, dp_name: str | None) -> None:
-    from .sharding import _INFO_ATTR
 
     for mname, mod in model.named_modules():
         infos = mod.__dict__.get(_INFO_ATTR)
@@ -306,7 +300,6 @@ def make_param(local: torch.Tensor, info: Any, plan: MeshPlan) -> torch.Tensor:
     """The padded dp shard ``local`` ([c, *rest]) as a DTensor on the 2-D mesh."""
     from torch.distributed.tensor import DTensor
 
-    from .sharding import _contiguous_strides
 
     shape = _global(info.padded_shape, info, plan.tp_size)
     return DTensor.from_local(local, plan.param_mesh, placements(info, plan), run_check=False,
@@ -352,7 +345,6 @@ def logical_dtensor(param: torch.Tensor, info: Any) -> torch.Tensor:
     viewing the shard's storage (the padding rows left out)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    from .sharding import _contiguous_strides
 
     mesh = param.device_mesh
     local = param.detach().to_local()
@@ -385,7 +377,6 @@ def to_padded(value: Any, param: torch.Tensor, info: Any, key: str) -> torch.Ten
     (assembled: a collective) or a plain full tensor."""
     from torch.distributed.tensor import DTensor
 
-    from .sharding import _padded_local, _row_slice
 
     mesh = param.device_mesh
     rank = _dp_rank(param, info)

@@ -48,130 +48,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _compat, gather_scope, mesh_sharding
+from .shard_gather import _GatherParam, gather, gather_local, reduce_grad  # noqa: F401 (re-exported)
+from .shard_layout import (  # noqa: F401 (re-exported)
+    _INFO_ATTR, ShardInfo, _contiguous_strides, _dtensor_cls, _padded_local, _row_slice,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ShardInfo", "shard", "gather", "is_sharded", "shard_info", "full_state_dict"]
-
-_INFO_ATTR = "_graphcomp_shard_info"
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardInfo:
-    """What graphcomp knows about one sharded parameter (identical on every rank)."""
-
-    fqn: str
-    """Name of the parameter in the model passed to ``shard()`` (first name, if tied)."""
-    shape: tuple[int, ...]
-    """Logical (unsharded) shape."""
-    rows: int
-    """N: logical size of dim 0 (1 for a 0-dim parameter)."""
-    chunk: int
-    """c = max(1, ceil(N / world_size)): dim-0 size of every rank's local shard."""
-    orig_dtype: torch.dtype
-    """dtype of the parameter (and of its shard and gradient)."""
-    param_dtype: torch.dtype | None
-    """dtype the gathered parameter is cast to, or None (no cast)."""
-    reduce_dtype: torch.dtype
-    """dtype of the gradient reduce-scatter."""
-    group_name: str
-    world_size: int
-    tp: Any = None
-    """2-D sharding (``shard(mesh=...)``): the tensor-parallel view module code sees
-    (a ``graphcomp.mesh_sharding.TPLayout``; ``shape`` is then the tp-local shape),
-    or None (a plain parameter)."""
-    mesh_dim: int = 0
-    """The dimension of the parameter's device mesh that is sharded here (2-D: the
-    dp dimension's index in the parameter's 2-D mesh)."""
-
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        return self.shape[1:]
-
-    @property
-    def padded_shape(self) -> tuple[int, ...]:
-        return (self.world_size * self.chunk, *self.row_shape)
-
-    def local_rows(self, rank: int) -> int:
-        """Logical rows held by ``rank`` (the rest of its shard is padding)."""
-        return min(self.chunk, max(0, self.rows - rank * self.chunk))
-
-
-# ----------------------------------------------------------------------- gather
-def gather_local(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
-    """The logical parameter from a padded local shard (an all-gather over the
-    group, then narrow, reshape, cast to ``param_dtype``); not differentiable."""
-    if info.world_size == 1:
-        out = local.narrow(0, 0, info.rows).reshape(info.shape)
-    else:
-        full = _compat.funcol_all_gather(local.contiguous(), info.group_name, info.world_size)
-        out = full.narrow(0, 0, info.rows).reshape(info.shape)
-    return out if info.param_dtype is None else out.to(info.param_dtype)
-
-
-def reduce_grad(grad: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...]) -> torch.Tensor:
-    """The local shard's gradient from the gradient of the logical parameter:
-    cast to ``reduce_dtype``, pad, reduce-scatter (sum) over the group, / W, cast
-    back to the parameter's dtype."""
-    row_shape = tuple(local_shape[1:])
-    g = grad.to(info.reduce_dtype).reshape(info.rows, *row_shape)
-    pad = local_shape[0] * info.world_size - info.rows
-    g = F.pad(g, (0, 0) * len(row_shape) + (0, pad)) if pad else g.contiguous()
-    if info.world_size > 1:
-        g = _compat.funcol_reduce_scatter_sum(g, info.group_name, info.world_size) / info.world_size
-    return g.to(info.orig_dtype)
-
-
-class _GatherParam(torch.autograd.Function):
-    """All-gather a padded local shard into the logical parameter; the backward
-    reduce-scatters the gradient (averaged over ranks) back to the shard. (Plain
-    arguments, not the ShardInfo: what Dynamo traces into the graph as constants.)"""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        local: torch.Tensor,
-        rows: int,
-        shape: tuple[int, ...],
-        param_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype,
-        group_name: str,
-        world_size: int,
-    ) -> torch.Tensor:
-        ctx.rows, ctx.group_name, ctx.world_size = rows, group_name, world_size
-        ctx.reduce_dtype, ctx.orig_dtype = reduce_dtype, local.dtype
-        ctx.padded_rows = local.shape[0] * world_size
-        ctx.row_shape = tuple(local.shape[1:])
-        full = _compat.funcol_all_gather(local.contiguous(), group_name, world_size)
-        out = full.narrow(0, 0, rows).reshape(shape)
-        if param_dtype is not None:
-            out = out.to(param_dtype)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        g = grad.to(ctx.reduce_dtype).reshape(ctx.rows, *ctx.row_shape)
-        pad = ctx.padded_rows - ctx.rows
-        g = F.pad(g, (0, 0) * len(ctx.row_shape) + (0, pad)) if pad else g.contiguous()
-        g = _compat.funcol_reduce_scatter_sum(g, ctx.group_name, ctx.world_size)
-        g = g / ctx.world_size
-        return g.to(ctx.orig_dtype), None, None, None, None, None, None
-
-
-def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
-    """The full (logical-shape) value of a sharded parameter, cast to
-    ``info.param_dtype``; differentiable (the gradient is reduce-scattered to the
-    shard in ``info.reduce_dtype`` and averaged over ranks)."""
-    local = param.to_local() if isinstance(param, _dtensor_cls()) else param
-    if info.world_size == 1:
-        out = local.narrow(0, 0, info.rows).reshape(info.shape)
-        out = out if info.param_dtype is None else out.to(info.param_dtype)
-    else:
-        out = _GatherParam.apply(
-            local, info.rows, info.shape, info.param_dtype, info.reduce_dtype, info.group_name, info.world_size
-        )
-    return out if info.tp is None else mesh_sharding.for_module(out, info)
-
 
 def _mark_eager_frames() -> None:
     """Reads from eager code stay eager Python (see graphcomp.gather_scope)."""
@@ -240,34 +124,6 @@ def _is_shard_of(value: torch.Tensor, info: ShardInfo, current: torch.Tensor) ->
         and value.placements == current.placements
         and value.device_mesh == current.device_mesh
     )
-
-
-# ------------------------------------------------------------------- helpers
-def _dtensor_cls() -> type:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
-
-
-def _row_slice(full: torch.Tensor, info: ShardInfo, rank: int) -> torch.Tensor:
-    x = full.reshape(1) if full.dim() == 0 else full
-    n = info.local_rows(rank)
-    return x.narrow(0, min(rank * info.chunk, x.shape[0]), n)
-
-
-def _padded_local(rows: torch.Tensor, info: ShardInfo, like: torch.Tensor) -> torch.Tensor:
-    local = torch.zeros((info.chunk, *info.row_shape), dtype=like.dtype, device=like.device)
-    if rows.shape[0]:
-        local[: rows.shape[0]].copy_(rows.reshape(rows.shape[0], *info.row_shape))
-    return local
 
 
 def _iter_owners(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:

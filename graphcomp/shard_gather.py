@@ -1,0 +1,91 @@
+"""Gather on use: the collectives that turn a padded local shard into the logical
+parameter and its gradient back into the shard's (``gather`` differentiable,
+``gather_local`` / ``reduce_grad`` the two halves for eager gather scopes). See
+``graphcomp.sharding``'s docstring for the graph they trace to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import _compat, mesh_sharding
+from .shard_layout import ShardInfo, _dtensor_cls
+
+__all__ = ["gather", "gather_local", "reduce_grad"]
+
+
+def gather_local(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    """The logical parameter from a padded local shard (an all-gather over the
+    group, then narrow, reshape, cast to ``param_dtype``); not differentiable."""
+    if info.world_size == 1:
+        out = local.narrow(0, 0, info.rows).reshape(info.shape)
+    else:
+        full = _compat.funcol_all_gather(local.contiguous(), info.group_name, info.world_size)
+        out = full.narrow(0, 0, info.rows).reshape(info.shape)
+    return out if info.param_dtype is None else out.to(info.param_dtype)
+
+
+def reduce_grad(grad: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...]) -> torch.Tensor:
+    """The local shard's gradient from the gradient of the logical parameter:
+    cast to ``reduce_dtype``, pad, reduce-scatter (sum) over the group, / W, cast
+    back to the parameter's dtype."""
+    row_shape = tuple(local_shape[1:])
+    g = grad.to(info.reduce_dtype).reshape(info.rows, *row_shape)
+    pad = local_shape[0] * info.world_size - info.rows
+    g = F.pad(g, (0, 0) * len(row_shape) + (0, pad)) if pad else g.contiguous()
+    if info.world_size > 1:
+        g = _compat.funcol_reduce_scatter_sum(g, info.group_name, info.world_size) / info.world_size
+    return g.to(info.orig_dtype)
+
+
+class _GatherParam(torch.autograd.Function):
+    """All-gather a padded local shard into the logical parameter; the backward
+    reduce-scatters the gradient (averaged over ranks) back to the shard. (Plain
+    arguments, not the ShardInfo: what Dynamo traces into the graph as constants.)"""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        local: torch.Tensor,
+        rows: int,
+        shape: tuple[int, ...],
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype,
+        group_name: str,
+        world_size: int,
+    ) -> torch.Tensor:
+        ctx.rows, ctx.group_name, ctx.world_size = rows, group_name, world_size
+        ctx.reduce_dtype, ctx.orig_dtype = reduce_dtype, local.dtype
+        ctx.padded_rows = local.shape[0] * world_size
+        ctx.row_shape = tuple(local.shape[1:])
+        full = _compat.funcol_all_gather(local.contiguous(), group_name, world_size)
+        out = full.narrow(0, 0, rows).reshape(shape)
+        if param_dtype is not None:
+            out = out.to(param_dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        g = grad.to(ctx.reduce_dtype).reshape(ctx.rows, *ctx.row_shape)
+        pad = ctx.padded_rows - ctx.rows
+        g = F.pad(g, (0, 0) * len(ctx.row_shape) + (0, pad)) if pad else g.contiguous()
+        g = _compat.funcol_reduce_scatter_sum(g, ctx.group_name, ctx.world_size)
+        g = g / ctx.world_size
+        return g.to(ctx.orig_dtype), None, None, None, None, None, None
+
+
+def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    """The full (logical-shape) value of a sharded parameter, cast to
+    ``info.param_dtype``; differentiable (the gradient is reduce-scattered to the
+    shard in ``info.reduce_dtype`` and averaged over ranks)."""
+    local = param.to_local() if isinstance(param, _dtensor_cls()) else param
+    if info.world_size == 1:
+        out = local.narrow(0, 0, info.rows).reshape(info.shape)
+        out = out if info.param_dtype is None else out.to(info.param_dtype)
+    else:
+        out = _GatherParam.apply(
+            local, info.rows, info.shape, info.param_dtype, info.reduce_dtype, info.group_name, info.world_size
+        )
+    return out if info.tp is None else mesh_sharding.for_module(out, info)

@@ -1,0 +1,80 @@
+"""graphcomp's import graph has no cycle (issue 17): every ``from . import x`` /
+``from .x import y`` in ``graphcomp/`` and ``passes/``, at module level or inside a
+function, is an edge; a cycle (even through a lazy import) fails with its path. And
+the installed CLI does not import the (unshipped) benchmarks package."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in (REPO / "graphcomp").rglob("*.py"):
+        rel = p.relative_to(REPO).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = p
+    for p in (REPO / "passes").glob("*.py"):
+        name = "graphcomp.passes" + ("" if p.stem == "__init__" else f".{p.stem}")
+        mods[name] = p
+    return mods
+
+
+def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    root = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    root = node.module or ""
+                targets = [root] + [f"{root}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                # a module's own ancestor packages have run their __init__ before it (their
+                # re-exports of it are not a cycle of its making): no edge to them
+                if t in mods and t != mod and not mod.startswith(t + "."):
+                    edges[mod].add(t)
+    return edges
+
+
+def test_no_import_cycle():
+    edges = _edges(_modules())
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(edges[m]):
+            if state.get(n) == 1:
+                cyc = stack[stack.index(n):] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cyc))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+def test_cli_does_not_import_benchmarks():
+    code = "import sys, graphcomp, graphcomp.cli; print(any(m.split('.')[0] == 'benchmarks' for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
