@@ -11,6 +11,10 @@ the piece runs eagerly with a warning. For each capture::
     replay   : copy "copy" inputs into static buffers (one torch._foreach_copy_),
                check static addresses, replay, hand outputs back
 
+(Just over graphcomp's ~500-line guideline: the decisions of one call (replay,
+capture, eager with a reason) read together; the pool's bookkeeping lives in
+``pool.py``, input kinds and static buffers in ``static.py``.)
+
 Output safety (never silent stale data). Outputs are handed out as aliases of
 the pool tensors; ``RUNTIME.ledger`` (:class:`~graphcomp.runtime.manager.PoolLedger`)
 knows, by capture order, which handed-out tensors a replay could overwrite (its
