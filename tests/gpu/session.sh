@@ -31,6 +31,8 @@ GRAPHCOMP_GPU_RESULTS="$OUT" run optim1 150 python -m pytest -q -p no:cacheprovi
 GRAPHCOMP_GPU_RESULTS="$OUT" run optimw1 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k w1
 run chunk 240 python -m pytest -q -p no:cacheprovider -s tests/gpu/test_chunk_lm_loss_gpu.py
 run memory 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k memory
+GRAPHCOMP_GPU_RESULTS="$OUT" run soak 560 python -m pytest -q -p no:cacheprovider "tests/gpu/test_soak_gpu.py::test_soak_1000_steps_varying_lengths[1]"
+GRAPHCOMP_GPU_RESULTS="$OUT" run soak2 560 python -m pytest -q -p no:cacheprovider "tests/gpu/test_soak_gpu.py::test_soak_1000_steps_varying_lengths[2]"
 GRAPHCOMP_GPU_RESULTS="$OUT" run tp 600 python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
 [ -d "$OUT/zoo" ] && tar czf "$OUT/zoo.tgz" -C "$OUT" zoo && rm -rf "$OUT/zoo"
 ls -la "$OUT"
