@@ -616,3 +616,27 @@ def is_strided_shard(p: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(p, _StridedShard)
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (the rendezvous store), or
+    None when there is none (no process group, or a backend without one)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - not initialized, or no store
+        return None
+
+
+def group_ranks(group_name: str) -> list[int] | None:
+    """The global ranks of the process group registered as ``group_name`` (what
+    functional collectives name), or None when this process cannot resolve it."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        pg = c10d._resolve_process_group(group_name)
+        return list(dist.get_process_group_ranks(pg))
+    except Exception:  # noqa: BLE001 - a group of another process, or destroyed
+        return None

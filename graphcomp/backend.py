@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import _compat, dump, graph_utils, memory
+from . import _compat, agreement, dump, graph_utils, memory
 from .config import Config
 from .pipeline import PassContext, run_stage
 from .plan import FramePlan, StageInputs
@@ -102,6 +102,8 @@ class FrameCompiler:
             "memory": self._memory_summary(stage, gm) if stage != "dynamo" else None,
         }
         if stage in ("fwd", "bwd"):
+            self._flush()  # (the summary on disk shows this graph even if agreement raises)
+            agreement.check_compiled(self.frame_id, stage, colls, self.cfg)
             for dtype, b in graph_utils.collective_bytes_by_dtype(colls, "all_gather").items():
                 SESSION.counters.add(f"bytes_gathered:{dtype}", b)
         self._flush()
