@@ -134,7 +134,7 @@ def _exchange(prefix: str, entries: dict[str, dict[str, Any]], timeout_s: float)
 
 
 def _compare(what: str, mine: dict[str, dict[str, Any]], got: dict[str, dict[int, dict[str, Any]]],
-             fields: tuple[str, ...], hint: str) -> None:
+             fields: tuple[str, ...], hint: str, offset: int = 0) -> None:
     rank = _rank()
     for g, others in sorted(got.items()):
         a = mine[g]["rows"]
@@ -148,7 +148,7 @@ def _compare(what: str, mine: dict[str, dict[str, Any]], got: dict[str, dict[int
             SESSION.counters.add("rank_divergences")
             raise RankDivergence(
                 f"graphcomp: ranks disagree on the collectives of {what} on process group {g!r}: "
-                f"collective #{i} differs.\n"
+                f"collective #{i + offset} differs.\n"
                 f"  rank {rank}: {_describe(ra, len(a))}\n"
                 f"  rank {r} ({payload.get('what', '?')}): {_describe(rb, len(b))}\n"
                 f"{hint}"
@@ -189,13 +189,20 @@ def check_eager(kind: str, group_name: str, dtype: Any, shape: tuple[int, ...]) 
     every member of ``group_name`` is about to issue the same one."""
     if not env.debug() or _compat.default_store() is None:
         return
-    row = {"kind": kind, "dtype": str(dtype).replace("torch.", ""), "bytes": None, "shape": list(shape),
+    import math
+
+    import torch
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    row = {"kind": kind, "dtype": str(dtype).replace("torch.", ""), "bytes": nbytes, "shape": list(shape),
            "source": _python_source()}
     mine = {group_name: {"what": "eager code", "rows": [row]}}
+    n = SESSION.agree_seq.get(f"eager:{group_name}", 0)  # (the number this check gets: the message counts from 0)
     got = _exchange("eager", mine, env.agree_timeout())
-    _compare("eager code (GRAPHCOMP_DEBUG=1 checks every gather and reduce-scatter outside compiled graphs)",
+    _compare("eager code since the process started (GRAPHCOMP_DEBUG=1 checks every gather and "
+             "reduce-scatter outside compiled graphs; shard shapes and bytes)",
              mine, got, ("kind", "dtype", "shape"),
              "Ranks read different sharded parameters outside compiled graphs (a data-dependent branch or "
              "loop, a weight read on one rank only); the next collective would hang or mix data. Make "
              "every rank read the same parameters in the same order, or put the module under a gather "
-             "scope (graphcomp.shard does for every module that owns parameters).")
+             "scope (graphcomp.shard does for every module that owns parameters).", offset=n)
