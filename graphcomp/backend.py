@@ -103,7 +103,9 @@ class FrameCompiler:
         }
         if stage in ("fwd", "bwd"):
             self._flush()  # (the summary on disk shows this graph even if agreement raises)
+            t_agree = time.perf_counter()
             agreement.check_compiled(self.frame_id, stage, colls, self.cfg)
+            self.record.stages[stage]["rank_agreement_seconds"] = time.perf_counter() - t_agree
             for dtype, b in graph_utils.collective_bytes_by_dtype(colls, "all_gather").items():
                 SESSION.counters.add(f"bytes_gathered:{dtype}", b)
         self._flush()
