@@ -269,5 +269,11 @@ def graphcomp_backend(gm: fx.GraphModule, example_inputs: list[Any], *, options:
             f"graphcomp does not take torch.compile(mode={mode!r}); pass options={{...}} with "
             "graphcomp.Config fields instead (valid: mode=None)"
         )
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"graphcomp.backend: gm must be a torch.fx.GraphModule (what Dynamo hands a backend), got "
+                        f"{type(gm).__name__}; use torch.compile(model, backend=graphcomp.backend) or backend='graphcomp'")
+    if not isinstance(example_inputs, (list, tuple)):
+        raise TypeError(f"graphcomp.backend: example_inputs must be a list of the graph's inputs, got "
+                        f"{type(example_inputs).__name__}")
     cfg = Config.from_options(options)
     return FrameCompiler(gm, example_inputs, cfg).compile(gm, example_inputs)

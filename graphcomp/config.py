@@ -182,6 +182,9 @@ class Config:
         if isinstance(options, Config):
             cfg = dataclasses.replace(options)
         else:
+            if options is not None and not isinstance(options, Mapping):
+                raise TypeError(f"graphcomp options: expected a mapping of graphcomp.Config field names (or a "
+                                f"graphcomp.Config), got {type(options).__name__} {options!r}")
             options = dict(options or {})
             names = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(options) - names)
