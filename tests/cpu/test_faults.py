@@ -66,6 +66,12 @@ def _maybe_fail(net: Net, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _report(results, msg: tuple) -> None:  # noqa: ANN001
+    results.put(msg)
+    results.close()
+    results.join_thread()  # (flushed before os._exit, which skips the queue's feeder thread)
+
+
 def _rank_main(rank: int, world: int, port: int, where: str, exits: bool, results) -> None:  # noqa: ANN001
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                        "TORCHINDUCTOR_COMPILE_THREADS": "1"})
@@ -94,10 +100,10 @@ def _rank_main(rank: int, world: int, port: int, where: str, exits: bool, result
             cm(torch.randn(4, 8)).backward()
             opt.step()
             opt.zero_grad()
-        results.put((rank, "finished", "", 0.0))
+        _report(results, (rank, "finished", "", 0.0))
     except Exception as e:  # noqa: BLE001
         took = time.monotonic() - (t_fail or time.monotonic())
-        results.put((rank, "raised", f"{type(e).__name__}: {e}", took))
+        _report(results, (rank, "raised", f"{type(e).__name__}: {e}", took))
         if rank == 0 and not exits:
             time.sleep(PG_TIMEOUT_S + 30)  # stays alive: the peer must not need it to exit
         os._exit(1)  # (no destroy_process_group: a crashed script does not run one)
