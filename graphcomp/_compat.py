@@ -101,6 +101,22 @@ def current_compile_id() -> str | None:
     return None if cid is None else str(cid)
 
 
+def dynamo_compile_id() -> tuple[int, int] | None:
+    """Dynamo's (frame id, compile of that frame) for the frame being compiled: one
+    frame id per code object in the order first compiled (``torch._dynamo.reset()``
+    restarts them at 0), the second number counts its recompiles; None outside a
+    Dynamo compile."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+    except Exception:
+        return None
+    if cid is None or getattr(cid, "frame_id", None) is None:
+        return None
+    return int(cid.frame_id), int(getattr(cid, "frame_compile_id", 0) or 0)
+
+
 def is_recompile() -> bool:
     """True when Dynamo is compiling a frame it has compiled before (a guard failed)."""
     try:

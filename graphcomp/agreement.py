@@ -5,14 +5,18 @@ differing collective instead of hanging until the process-group timeout.
 Compile time (``Config.rank_agreement``, on by default). After the passes of a
 forward or backward graph, each rank groups the graph's collectives by process
 group and, for every group with more than one member, publishes the sequence in
-the default process group's store under ``graphcomp/agree/<group>/<n>/<rank>``
-(``n`` numbers this rank's checks on that group), then waits, at most
-``Config.rank_agreement_timeout`` seconds, for every other member's entry ``n``::
+the default process group's store under
+``graphcomp/agree/<epoch>/<group>/<dynamo frame id>/<stage>/<compile #>/<rank>``, then
+waits, at most ``Config.rank_agreement_timeout`` seconds, for every other member's
+entry of the same frame, stage and compile::
 
-    rank 0: set(agree/0/3/0, [ag f32 4096 B, ag f32 96 B, ...]) ─┐
-    rank 1: set(agree/0/3/1, [ag f32 4096 B, ag f32 96 B, ag f32 96 B]) ─┤ each waits for
-                                                                          ┘ the others' key
+    rank 0: set(agree/1/0/0/fwd/0/0, [ag f32 4096 B, ag f32 96 B, ...]) ─┐ each waits for
+    rank 1: set(agree/1/0/0/fwd/0/1, [ag f32 4096 B, ag f32 96 B, ag f32 96 B]) ─┘ the other's
     compare: first difference -> RankDivergence on both ranks
+
+A recompile on one rank alone (it saw a new input shape) does not wait: when the
+other members' latest entry for the frame holds the same sequence it passes at once
+(see :func:`check_compiled`).
 
 A row is what must agree for the collective to match across ranks: kind, op,
 dtype, bytes on the wire, and the plan decisions (bucket and the parameters in it,
@@ -43,8 +47,9 @@ from .session import SESSION
 
 log = logging.getLogger(__name__)
 
-# what must be equal across ranks (the source line is for the message only)
-ROW_FIELDS = ("kind", "op", "dtype", "bytes", "bucket", "params", "fused_downcast", "resharded", "prefetch_ahead")
+# what must be equal across ranks (the source line, and the graph-input names a bucket
+# holds, which shift with a recompile's symbolic inputs, are for the message only)
+ROW_FIELDS = ("kind", "op", "dtype", "bytes", "bucket", "fused_downcast", "resharded", "prefetch_ahead")
 
 
 def _rank() -> int:
@@ -61,6 +66,7 @@ def sequences(colls: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         if c.get("group") is None:
             continue
         row = {k: c.get(k) for k in ROW_FIELDS}
+        row["params"] = c.get("params")
         row["source"] = c.get("source")
         out.setdefault(c["group"], []).append(row)
     return out
@@ -92,10 +98,10 @@ def first_difference(mine: list[dict[str, Any]], theirs: list[dict[str, Any]],
 
 
 def _exchange(prefix: str, entries: dict[str, dict[str, Any]], timeout_s: float) -> dict[str, dict[int, dict[str, Any]]]:
-    """Publish ``entries`` (group -> this rank's payload) and collect every other
-    member's entry of the same number; returns group -> {rank: payload}. Every entry is
-    published before any wait, so ranks checking several groups cannot wait on each
-    other in a cycle. Raises RankDivergence naming a member that did not publish."""
+    """Eager check: publish ``entries`` (group -> this rank's payload) as this rank's
+    next entry on each group and collect every other member's entry of the same
+    number; returns group -> {rank: payload}. Every entry is published before any
+    wait, so ranks checking several groups cannot wait on each other in a cycle."""
     store = _compat.default_store()
     rank = _rank()
     todo: list[tuple[str, str, list[int]]] = []
@@ -109,28 +115,8 @@ def _exchange(prefix: str, entries: dict[str, dict[str, Any]], timeout_s: float)
         base = f"graphcomp/{prefix}/{g}/{n}"
         store.set(f"{base}/{rank}", json.dumps(payload, default=str))
         todo.append((g, base, [r for r in members if r != rank]))
-    out: dict[str, dict[int, dict[str, Any]]] = {}
-    for g, base, others in todo:
-        got: dict[int, dict[str, Any]] = {}
-        for r in others:
-            try:
-                store.wait([f"{base}/{r}"], datetime.timedelta(seconds=timeout_s))
-            except Exception as e:  # noqa: BLE001 - DistStoreError (timeout) or a closed store
-                mine = entries[g]
-                rows = mine.get("rows", [])
-                raise RankDivergence(
-                    f"graphcomp: rank {r} did not publish its collective sequence #{base.rsplit('/', 1)[1]} on "
-                    f"process group {g!r} within {timeout_s:g} s ({type(e).__name__}: {e}). This rank "
-                    f"(rank {rank}) is about to issue {len(rows)} collective(s) there, from "
-                    f"{mine.get('what', 'its graph')}; the first: {_describe(rows[0] if rows else None, 0)}. "
-                    f"Rank {r} compiled no matching graph: it took another Python path, recompiled alone "
-                    f"(e.g. a different input shape), is still compiling, or died. Make every rank run the "
-                    f"same code on the same shapes, or raise Config.rank_agreement_timeout if its compile is "
-                    f"just slow."
-                ) from None
-            got[r] = json.loads(store.get(f"{base}/{r}"))
-        out[g] = got
-    return out
+    return {g: {r: _wait_for(store, f"{base}/{r}", timeout_s, g, r, entries[g]) for r in others}
+            for g, base, others in todo}
 
 
 def _compare(what: str, mine: dict[str, dict[str, Any]], got: dict[str, dict[int, dict[str, Any]]],
@@ -163,20 +149,77 @@ COMPILED_HINT = (
 )
 
 
+def _wait_for(store: Any, key: str, timeout_s: float, g: str, r: int, mine: dict[str, Any]) -> dict[str, Any]:
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - DistStoreError (timeout) or a closed store
+        rows = mine.get("rows", [])
+        raise RankDivergence(
+            f"graphcomp: rank {r} did not publish the collective sequence of {mine.get('what', 'this graph')} "
+            f"on process group {g!r} within {timeout_s:g} s ({type(e).__name__}: {e}). This rank "
+            f"(rank {_rank()}) is about to issue {len(rows)} collective(s) there; the first: "
+            f"{_describe(rows[0] if rows else None, 0)}. Rank {r} compiled no matching graph: it took another "
+            f"Python path, compiles its frames in another order, is still compiling, or died. Make every rank "
+            f"run the same code, or raise Config.rank_agreement_timeout if its compile is just slow."
+        ) from None
+    return json.loads(store.get(key))
+
+
+def note_frame() -> None:
+    """Called for every frame the backend compiles: Dynamo's first compile after a
+    start or ``torch._dynamo.reset()`` (compile id 0/0) opens a new epoch, so that
+    frame ids that restart at 0 never meet the store entries of the previous epoch."""
+    if _compat.dynamo_compile_id() == (0, 0):
+        SESSION.agree_seq["epoch"] = SESSION.agree_seq.get("epoch", 0) + 1
+
+
 def check_compiled(frame_id: int, stage: str, colls: list[dict[str, Any]], cfg: Any) -> None:
-    """Compile-time agreement for one stage graph (see the module docstring)."""
-    if not cfg.rank_agreement or _compat.default_store() is None:
+    """Compile-time agreement for one stage graph (see the module docstring).
+
+    An entry is keyed by the epoch (see :func:`note_frame`), Dynamo's frame id (the
+    same code object on every rank), its compile number and the stage; each rank
+    also points ``.../latest`` at its newest compile of the frame. Against each
+    other member: its entry for the same compile decides, waited for up to
+    ``rank_agreement_timeout``; except that a recompile (compile number > 0) whose
+    entry the member lacks passes at once when the member's latest compile of the
+    frame holds the same sequence (one rank saw a new input shape: the same
+    collectives, and no peer will compile to match)."""
+    store = _compat.default_store()
+    if not cfg.rank_agreement or store is None:
         return
     seqs = sequences(colls)
     if not seqs:
         return
-    what = f"the {stage} graph of frame {frame_id}"
-    mine = {g: {"what": what, "rows": rows} for g, rows in seqs.items()}
-    got = _exchange("agree", mine, cfg.rank_agreement_timeout)
-    _compare(what, mine, got, ROW_FIELDS, COMPILED_HINT)
-    if got:
+    rank = _rank()
+    cid = _compat.dynamo_compile_id() or (-1, frame_id)
+    epoch = SESSION.agree_seq.get("epoch", 0)
+    what = f"the {stage} graph of frame {frame_id}" + (f" (recompile #{cid[1]})" if cid[1] > 0 else "")
+    todo = []
+    for g, rows in sorted(seqs.items()):
+        members = _compat.group_ranks(g)
+        if members is None or len(members) < 2 or rank not in members:
+            continue
+        base = f"graphcomp/agree/{epoch}/{g}/{cid[0]}/{stage}"
+        mine = {"what": what, "rows": rows}
+        store.set(f"{base}/{cid[1]}/{rank}", json.dumps(mine, default=str))
+        store.set(f"{base}/latest/{rank}", str(cid[1]))
+        todo.append((g, base, mine, [r for r in members if r != rank]))
+    for g, base, mine, others in todo:  # (every entry is published before any wait)
+        got: dict[int, dict[str, Any]] = {}
+        for r in others:
+            same = f"{base}/{cid[1]}/{r}"
+            if cid[1] > 0 and not store.check([same]) and store.check([f"{base}/latest/{r}"]):
+                latest = store.get(f"{base}/latest/{r}").decode()
+                theirs = json.loads(store.get(f"{base}/{latest}/{r}"))
+                if first_difference(mine["rows"], theirs["rows"]) is None:
+                    log.info("graphcomp: %s compiled on rank %d only; its collectives on group %r match "
+                             "rank %d's compile #%s", what, rank, g, r, latest)
+                    continue
+            got[r] = _wait_for(store, same, cfg.rank_agreement_timeout, g, r, mine)
+        _compare(what, {g: mine}, {g: got}, ROW_FIELDS, COMPILED_HINT)
+    if todo:
         SESSION.counters.add("rank_agreement_checks")
-        log.debug("graphcomp: %s agrees across ranks on %d group(s)", what, len(got))
+        log.debug("graphcomp: %s agrees across ranks on %d group(s)", what, len(todo))
 
 
 def _python_source() -> str | None:

@@ -56,6 +56,7 @@ class FrameCompiler:
         self.plan = FramePlan()  # what this frame's stages hand each other
         self.joint_hook_obj: Any = None
         self.recompile = _compat.is_recompile()
+        agreement.note_frame()
         info: dict[str, Any] = {
             "frame": self.frame_id,
             "compile_id": _compat.current_compile_id(),

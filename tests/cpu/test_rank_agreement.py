@@ -102,15 +102,43 @@ def test_a_rank_that_never_compiles_is_named_after_the_timeout(ranks2):
     out = ranks2.run(_one_compiles, timeout=240)
     r0 = out[0]
     assert r0.get("ours"), r0
-    assert "rank 1 did not publish its collective sequence" in r0["error"], r0
+    assert "rank 1 did not publish the collective sequence of the fwd graph" in r0["error"], r0
     assert 2.5 <= r0["seconds"] < 30, r0
     assert out[1] == {"skipped": True}
 
 
 def _one_compiles(rank: int, world: int) -> dict:
-    if rank == 1:
+    if rank == 1:  # compiles a graph without collectives instead (publishes nothing)
+        torch._dynamo.reset()
+        torch.compile(lambda x: x + 1, backend="graphcomp", options={"codegen": "eager"})(torch.ones(2))
         return {"skipped": True}
     return _run(rank, world, None, {"rank_agreement_timeout": 3.0})
+
+
+def _recompile_alone(rank: int, world: int) -> dict:
+    import graphcomp
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+    torch.manual_seed(0)
+    m = ThreePart()
+    graphcomp.shard(m)
+    run = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "rank_agreement_timeout": 45.0})
+    run(torch.randn(4, 8)).backward()
+    t0 = time.monotonic()
+    run(torch.randn(6 if rank == 0 else 4, 8)).backward()  # rank 0 alone sees a new shape: recompiles
+    took = time.monotonic() - t0
+    return {"seconds": took, "frames": len(graphcomp.frame_summaries()), "counters": dict(graphcomp.counters)}
+
+
+def test_a_recompile_on_one_rank_with_the_same_collectives_does_not_wait(ranks2):
+    """One rank seeing a new input shape recompiles alone; its collectives are the
+    same (parameter-sized), so the check passes at once, without waiting for a peer
+    that will never compile again."""
+    out = ranks2.run(_recompile_alone, timeout=240)
+    assert out[0]["frames"] == 2 and out[1]["frames"] == 1, out
+    assert out[0]["counters"]["rank_agreement_checks"] == 4, out  # fwd and bwd of both compiles
+    assert out[0]["seconds"] < 40, out  # (compile time; not the 45 s timeout)
 
 
 def test_agreement_off_skips_the_exchange(ranks2):
