@@ -96,6 +96,7 @@ def test_divergence_with_bucketing_names_the_bucket(ranks2):
         assert r.get("ours") and r["seconds"] < WAIT_S, r
         assert "collective #0 differs" in r["error"] and "bucket=joint:ag0" in r["error"], r
         assert "all_gather float32 512 B" in r["error"] and "all_gather float32 704 B" in r["error"], r
+        assert "test_rank_agreement.py" in r["error"], r  # a bucket is issued at its first member's line
 
 
 def test_a_rank_that_never_compiles_is_named_after_the_timeout(ranks2):
