@@ -2,8 +2,9 @@
 fail with an error naming the first differing collective and its source line, on
 every rank, long before the process-group timeout; matching ranks pass through.
 
-Every multi-rank test runs under a DistPool timeout (the process-group timeout of
-the ranks is 300 s: an answer within 60 s is the agreement check, not gloo)."""
+Every multi-rank test runs under a DistPool timeout (which is also the ranks'
+process-group timeout, 240 s: an answer within 60 s is the agreement check, not
+gloo's timeout)."""
 
 import time
 
