@@ -101,6 +101,22 @@ def current_compile_id() -> str | None:
     return None if cid is None else str(cid)
 
 
+def dynamo_compile_id() -> tuple[int, int] | None:
+    """Dynamo's (frame id, compile of that frame) for the frame being compiled: one
+    frame id per code object in the order first compiled (``torch._dynamo.reset()``
+    restarts them at 0), the second number counts its recompiles; None outside a
+    Dynamo compile."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+    except Exception:
+        return None
+    if cid is None or getattr(cid, "frame_id", None) is None:
+        return None
+    return int(cid.frame_id), int(getattr(cid, "frame_compile_id", 0) or 0)
+
+
 def is_recompile() -> bool:
     """True when Dynamo is compiling a frame it has compiled before (a guard failed)."""
     try:
@@ -616,3 +632,27 @@ def is_strided_shard(p: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(p, _StridedShard)
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (the rendezvous store), or
+    None when there is none (no process group, or a backend without one)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - not initialized, or no store
+        return None
+
+
+def group_ranks(group_name: str) -> list[int] | None:
+    """The global ranks of the process group registered as ``group_name`` (what
+    functional collectives name), or None when this process cannot resolve it."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        pg = c10d._resolve_process_group(group_name)
+        return list(dist.get_process_group_ranks(pg))
+    except Exception:  # noqa: BLE001 - a group of another process, or destroyed
+        return None

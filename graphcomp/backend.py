@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import _compat, dump, graph_utils, memory
+from . import _compat, agreement, dump, graph_utils, memory
 from .config import Config
 from .pipeline import PassContext, run_stage
 from .plan import FramePlan, StageInputs
@@ -56,6 +56,7 @@ class FrameCompiler:
         self.plan = FramePlan()  # what this frame's stages hand each other
         self.joint_hook_obj: Any = None
         self.recompile = _compat.is_recompile()
+        agreement.note_frame()
         info: dict[str, Any] = {
             "frame": self.frame_id,
             "compile_id": _compat.current_compile_id(),
@@ -102,6 +103,10 @@ class FrameCompiler:
             "memory": self._memory_summary(stage, gm) if stage != "dynamo" else None,
         }
         if stage in ("fwd", "bwd"):
+            self._flush()  # (the summary on disk shows this graph even if agreement raises)
+            t_agree = time.perf_counter()
+            agreement.check_compiled(self.frame_id, stage, colls, self.cfg)
+            self.record.stages[stage]["rank_agreement_seconds"] = time.perf_counter() - t_agree
             for dtype, b in graph_utils.collective_bytes_by_dtype(colls, "all_gather").items():
                 SESSION.counters.add(f"bytes_gathered:{dtype}", b)
         self._flush()
@@ -265,5 +270,11 @@ def graphcomp_backend(gm: fx.GraphModule, example_inputs: list[Any], *, options:
             f"graphcomp does not take torch.compile(mode={mode!r}); pass options={{...}} with "
             "graphcomp.Config fields instead (valid: mode=None)"
         )
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"graphcomp.backend: gm must be a torch.fx.GraphModule (what Dynamo hands a backend), got "
+                        f"{type(gm).__name__}; use torch.compile(model, backend=graphcomp.backend) or backend='graphcomp'")
+    if not isinstance(example_inputs, (list, tuple)):
+        raise TypeError(f"graphcomp.backend: example_inputs must be a list of the graph's inputs, got "
+                        f"{type(example_inputs).__name__}")
     cfg = Config.from_options(options)
     return FrameCompiler(gm, example_inputs, cfg).compile(gm, example_inputs)

@@ -143,6 +143,32 @@ class Config:
     gradient); ``"eager"``: about six eager kernels per chunk, each reading and
     writing the chunk in fp32. On other devices it always runs eagerly."""
 
+    rank_agreement: bool = True
+    """Compile-time rank agreement: after the passes, each rank publishes the
+    collective sequence its forward/backward graph will issue on each process group
+    (kind, dtype, bytes, order, bucket, reshard and prefetch decisions, source line)
+    through the default process group's store, and compares it with every other
+    member's. A mismatch raises ``graphcomp.errors.RankDivergence`` on every rank,
+    naming the first differing collective and its source line, instead of hanging
+    until the process-group timeout. Frames without collectives and single-rank
+    groups are not checked. ``False`` skips the exchange."""
+
+    rank_agreement_timeout: float = 60.0
+    """Seconds a rank waits for the other members of a group to publish their
+    collective sequence (compile-time agreement, and the eager per-gather check of
+    ``GRAPHCOMP_DEBUG=1``). A rank that never compiles the matching graph (it took
+    another path, recompiled alone, or died) turns into a ``RankDivergence`` after
+    this long. Must be > 0; keep it above the slowest rank's compile time."""
+
+    verify_collectives: bool | Literal["debug"] = True
+    """The collective verifier: after every pass, check against the graph before it
+    that each parameter is still gathered as often, on the same group, in its
+    dtype or the dtype it is cast to right after (fused downcast), and each
+    gradient is reduce-scattered exactly once in the same dtype and group (fused and
+    bucketed forms included). A violation raises
+    ``graphcomp.errors.CollectiveVerifyError`` naming the pass. ``"debug"``: only
+    when ``debug`` is on; ``False``: never."""
+
     debug: bool = False
     """Extra checks and logging: lint every graph after every pass (a pass that
     breaks the graph fails at once, naming the pass) and log the op-count diff of
@@ -156,6 +182,9 @@ class Config:
         if isinstance(options, Config):
             cfg = dataclasses.replace(options)
         else:
+            if options is not None and not isinstance(options, Mapping):
+                raise TypeError(f"graphcomp options: expected a mapping of graphcomp.Config field names (or a "
+                                f"graphcomp.Config), got {type(options).__name__} {options!r}")
             options = dict(options or {})
             names = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(options) - names)
@@ -188,6 +217,9 @@ class Config:
             raise ValueError(f"Config.memory_budget: a float is a fraction of device memory and must be in (0, 1], got {mb!r}")
         if isinstance(mb, int) and mb <= 0:
             raise ValueError(f"Config.memory_budget: int bytes must be > 0, got {mb!r}")
+        if not self.rank_agreement_timeout > 0 or self.rank_agreement_timeout == float("inf"):
+            raise ValueError(f"Config.rank_agreement_timeout: must be a finite number of seconds > 0, "
+                             f"got {self.rank_agreement_timeout!r}")
         for name in ("min_piece_nodes", "max_captures", "loss_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Config.{name}: must be >= 1, got {getattr(self, name)}")

@@ -53,6 +53,12 @@ class Counters(Mapping):
     """Language-model losses rewritten into the chunked op (chunk_lm_loss)."""
     pieces_not_inductor: int = 0
     """Split pieces run as FX graphs because Inductor cannot bind their scalar inputs."""
+    rank_agreement_checks: int = 0
+    """Stage graphs whose collective sequence was compared with the other ranks' (Config.rank_agreement)."""
+    rank_divergences: int = 0
+    """Rank-agreement checks that found ranks about to issue different collectives (each raised)."""
+    collectives_verified: int = 0
+    """Pass runs whose result the collective verifier checked (Config.verify_collectives)."""
     bytes_gathered: dict[str, int] = field(default_factory=dict)
     """``bytes_gathered:<dtype>``: bytes all-gathered per compiled fwd/bwd graph run, by dtype."""
     pass_changed: dict[str, int] = field(default_factory=dict)

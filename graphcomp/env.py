@@ -4,6 +4,7 @@
 |---|---|
 | ``GRAPHCOMP_DUMP_DIR`` | default for ``Config.dump_dir`` |
 | ``GRAPHCOMP_DEBUG`` | ``1`` turns on ``Config.debug`` by default |
+| ``GRAPHCOMP_AGREE_TIMEOUT`` | seconds the eager ``GRAPHCOMP_DEBUG`` rank-agreement check waits for the other ranks (default 60) |
 | ``GRAPHCOMP_LOG`` | log level of the ``graphcomp`` logger (``INFO``, ``DEBUG``, ...) |
 """
 
@@ -24,3 +25,16 @@ def debug() -> bool:
 def log_level() -> str | None:
     v = os.environ.get("GRAPHCOMP_LOG", "").strip().upper()
     return v or None
+
+
+def agree_timeout() -> float:
+    v = os.environ.get("GRAPHCOMP_AGREE_TIMEOUT", "").strip()
+    if not v:
+        return 60.0
+    try:
+        t = float(v)
+    except ValueError:
+        raise ValueError(f"GRAPHCOMP_AGREE_TIMEOUT: expected a number of seconds > 0, got {v!r}") from None
+    if not 0 < t < float("inf"):
+        raise ValueError(f"GRAPHCOMP_AGREE_TIMEOUT: expected a number of seconds > 0, got {v!r}")
+    return t

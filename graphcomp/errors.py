@@ -34,3 +34,15 @@ def failing_source(e: BaseException | None) -> str | None:
         if "/torch/" not in f.filename or "torchinductor" in f.filename:
             return f"{f.filename}:{f.lineno} ({f.line.strip() if f.line else f.name})"
     return None
+
+
+class RankDivergence(RuntimeError):
+    """Ranks of one process group are about to issue different collectives (or one
+    rank never publishes its sequence): raised on every rank that sees it, naming the
+    group, the first differing collective and the source line that issued it, long
+    before the process-group timeout would end the hang."""
+
+
+class CollectiveVerifyError(RuntimeError):
+    """A pass changed which parameters are gathered or which gradients are
+    reduce-scattered (or their dtype or group): the message names the pass."""

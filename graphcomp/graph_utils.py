@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import os
+import re
 from typing import Any
 
 import torch
@@ -140,9 +142,45 @@ def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
                 "prefetch_ahead": n.meta.get("graphcomp_prefetch_ahead"),
                 "group": collective_group(n),
                 "foreign": is_foreign_collective(n),
+                "source": source_line(n),
             }
         )
     return out
+
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)\n(?:[ \t]+([^\n]*))?')
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# graphcomp's own gather code (every gather's stack ends there): not the source
+_GATHER_FILES = frozenset(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+    for f in ("sharding.py", "gather_scope.py", "mesh_sharding.py", "_compat.py")
+)
+
+
+def user_frame(frames: list[tuple[str, int, str]]) -> str | None:
+    """The innermost of ``frames`` ((file, line, code), outermost first) outside
+    torch and graphcomp's gather code, as ``file:line (code)``; the innermost frame
+    when every one is ours; None for no frame."""
+    for f, line, code in reversed(frames):
+        path = os.path.abspath(f)
+        if not path.startswith(_TORCH_DIR) and path not in _GATHER_FILES:
+            return f"{f}:{line} ({code.strip()})" if code else f"{f}:{line}"
+    if frames:
+        f, line, code = frames[-1]
+        return f"{f}:{line} ({code.strip()})" if code else f"{f}:{line}"
+    return None
+
+
+def source_line(node: fx.Node) -> str | None:
+    """Where user code issued ``node``: the innermost frame of its
+    ``meta['stack_trace']`` outside torch and graphcomp's gather code (the model line
+    that read a sharded parameter, for a gather), as ``file:line (code)``; None when
+    the node has no stack trace (e.g. a bucket a pass created: see its
+    ``graphcomp_params``)."""
+    st = node.meta.get("stack_trace")
+    if not st:
+        return None
+    return user_frame([(f, int(line), code) for f, line, _fn, code in _FRAME_RE.findall(st)])
 
 
 def has_cuda_tensors(gm: fx.GraphModule) -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from . import graph_utils
+from . import graph_utils, verify
 from .plan import FramePlan
 from .session import SESSION
 
@@ -224,6 +224,7 @@ class PassRecord:
     enabled: bool
     changed: bool = False
     seconds: float = 0.0
+    verify_seconds: float = 0.0  # the collective verifier's time on this pass's result (graphcomp.verify)
     nodes_before: int = 0
     nodes_after: int = 0
     reason: str | None = None  # why nothing changed / why the pass refused
@@ -304,6 +305,8 @@ def run_stage(gm: fx.GraphModule, ctx: PassContext, dumper: Any = None) -> tuple
     counters = SESSION.counters
     if dumper is not None:
         dumper.graph(ctx.frame_id, ctx.stage, "input", gm)
+    checking = verify.enabled(cfg, ctx.stage)
+    inv = verify.inventory(gm) if checking else None  # what the next pass must keep (graphcomp.verify)
     for idx, name in enumerate(pass_order(ctx.stage)):
         spec = get_pass(name)
         enabled = cfg.pass_enabled(name)
@@ -333,6 +336,16 @@ def run_stage(gm: fx.GraphModule, ctx: PassContext, dumper: Any = None) -> tuple
             if not res.changed and gm.code != before_code:
                 raise RuntimeError(f"graphcomp pass {name!r} reported no change but rewrote the {ctx.stage} graph "
                                    f"(graphcomp bug: a pass must report what it changed)")
+        if inv is not None:
+            t1 = time.perf_counter()
+            after_inv = verify.inventory(gm)
+            if after_inv is not None:
+                verify.check(inv, after_inv, name, ctx.stage, ctx.frame_id)
+                counters.add("collectives_verified")
+            else:
+                rec.notes.append("collective verifier: split graph (pieces), not inventoried")
+            inv = after_inv
+            rec.verify_seconds = time.perf_counter() - t1
         after_counts = graph_utils.op_counts(gm)
         rec.nodes_after = len(gm.graph.nodes)
         rec.op_diff = graph_utils.count_diff(before_counts, after_counts)

@@ -10,6 +10,7 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
 * ``pass_registry`` -- the passes the pipeline runs (built once from
   ``graphcomp.pipeline.PASS_ORDER``; kept by ``reset()``);
 * ``shard_groups`` -- the groups ``graphcomp.shard`` shards over (kept by ``reset()``);
+* ``agree_seq`` -- rank-agreement numbering (``graphcomp.agreement``; kept by ``reset()``);
 * ``runtime`` -- the CUDA-graph runtime (``graphcomp.runtime.manager.Runtime``: pool,
   capture stream, runners, ledger). The runtime package creates it and attaches it here
   when it is imported, so this module imports nothing of graphcomp.
@@ -96,6 +97,11 @@ class Session:
         # models, not compiles); emptied when the process group is destroyed
         self.shard_groups: dict[str, bool] = {}
         self._frame_ids = itertools.count()
+        # rank agreement (graphcomp.agreement): "epoch" (Dynamo restarts of frame ids)
+        # and "eager:<group>" (eager checks made on a group). Kept by reset(): the store
+        # keys they number outlive a reset, so numbering must not restart (a stale key
+        # of an earlier check would be read as this one's)
+        self.agree_seq: dict[str, int] = {}
 
     def next_frame_id(self) -> int:
         return next(self._frame_ids)

@@ -11,9 +11,20 @@ import torch
 import torch.nn.functional as F
 
 from . import _compat, mesh_sharding
+from . import env as _env
 from .shard_layout import ShardInfo, _dtensor_cls
 
 __all__ = ["gather", "gather_local", "reduce_grad"]
+
+
+def _debug_agree(kind: str, group_name: str, t: torch.Tensor) -> None:
+    """``GRAPHCOMP_DEBUG=1``, eager code only: every member of the group is about to
+    issue the same collective (``graphcomp.agreement.check_eager``)."""
+    if torch.compiler.is_compiling() or not _env.debug() or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return  # (traced: fake / functional tensors have other types; compiled graphs agree at compile time)
+    from . import agreement
+
+    agreement.check_eager(kind, group_name, t.dtype, tuple(t.shape))
 
 
 def gather_local(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
@@ -22,6 +33,7 @@ def gather_local(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     if info.world_size == 1:
         out = local.narrow(0, 0, info.rows).reshape(info.shape)
     else:
+        _debug_agree("all_gather", info.group_name, local)
         full = _compat.funcol_all_gather(local.contiguous(), info.group_name, info.world_size)
         out = full.narrow(0, 0, info.rows).reshape(info.shape)
     return out if info.param_dtype is None else out.to(info.param_dtype)
@@ -36,6 +48,7 @@ def reduce_grad(grad: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...
     pad = local_shape[0] * info.world_size - info.rows
     g = F.pad(g, (0, 0) * len(row_shape) + (0, pad)) if pad else g.contiguous()
     if info.world_size > 1:
+        _debug_agree("reduce_scatter", info.group_name, g)
         g = _compat.funcol_reduce_scatter_sum(g, info.group_name, info.world_size) / info.world_size
     return g.to(info.orig_dtype)
 
@@ -60,6 +73,7 @@ class _GatherParam(torch.autograd.Function):
         ctx.reduce_dtype, ctx.orig_dtype = reduce_dtype, local.dtype
         ctx.padded_rows = local.shape[0] * world_size
         ctx.row_shape = tuple(local.shape[1:])
+        _debug_agree("all_gather", group_name, local)
         full = _compat.funcol_all_gather(local.contiguous(), group_name, world_size)
         out = full.narrow(0, 0, rows).reshape(shape)
         if param_dtype is not None:
@@ -71,6 +85,7 @@ class _GatherParam(torch.autograd.Function):
         g = grad.to(ctx.reduce_dtype).reshape(ctx.rows, *ctx.row_shape)
         pad = ctx.padded_rows - ctx.rows
         g = F.pad(g, (0, 0) * len(ctx.row_shape) + (0, pad)) if pad else g.contiguous()
+        _debug_agree("reduce_scatter", ctx.group_name, g)
         g = _compat.funcol_reduce_scatter_sum(g, ctx.group_name, ctx.world_size)
         g = g / ctx.world_size
         return g.to(ctx.orig_dtype), None, None, None, None, None, None

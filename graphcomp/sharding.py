@@ -35,7 +35,6 @@ stay valid).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -44,7 +43,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from . import _compat, gather_scope, mesh_sharding
@@ -158,6 +156,9 @@ def _validate(
 ) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"graphcomp.shard expects an nn.Module, got {type(model).__name__}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"graphcomp.shard: group must be a torch.distributed.ProcessGroup or None (the world), "
+                        f"got {type(group).__name__} {group!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "graphcomp.shard needs an initialized process group: call "
@@ -424,6 +425,11 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu: bool = T
     """The model's state dict with plain full tensors (sharded parameters
     assembled with all-gathers: every rank must call this). ``rank0_only``:
     ranks other than 0 get ``{}``. ``cpu``: move tensors to the CPU."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"graphcomp.sharding.full_state_dict: model must be an nn.Module, got {type(model).__name__}")
+    for name, v in (("rank0_only", rank0_only), ("cpu", cpu)):
+        if not isinstance(v, bool):
+            raise TypeError(f"graphcomp.sharding.full_state_dict: {name} must be True or False, got {v!r}")
     from torch.distributed.tensor import DTensor
 
     out: dict[str, torch.Tensor] = {}

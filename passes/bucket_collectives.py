@@ -173,6 +173,7 @@ def _bucket_gathers(gm: fx.GraphModule, b: _Bucket, bid: str) -> fx.Node:
     world, group = first.coll.args[1], first.coll.args[2]
     dtype = gu.tensor_meta(first.src).dtype
     roots = [_absorb(it.src) for it in b.items]
+    trace = first.coll.meta.get("stack_trace")  # the bucket is issued where its first member was
     with g.inserting_before(first.coll):
         flat = g.call_function(OPS["pack_cast"], (roots, dtype))
         ag = g.call_function(c10d.all_gather_into_tensor.default, (flat, world, group))
@@ -184,6 +185,8 @@ def _bucket_gathers(gm: fx.GraphModule, b: _Bucket, bid: str) -> fx.Node:
     _erase_dead(g, [it.src for it in b.items])
     ag.meta["graphcomp_bucket"] = bid
     ag.meta["graphcomp_params"] = [r.name for r in roots]
+    if trace:
+        ag.meta["stack_trace"] = trace
     return flat
 
 
@@ -192,6 +195,7 @@ def _bucket_reduce_scatters(gm: fx.GraphModule, b: _Bucket, bid: str) -> fx.Node
     last = b.items[-1]
     op, world, group = last.coll.args[1], last.coll.args[2], last.coll.args[3]
     dtype = gu.tensor_meta(last.src).dtype
+    trace = last.coll.meta.get("stack_trace")  # the bucket is issued where its last member was
     with g.inserting_before(last.coll):
         packed = g.call_function(OPS["pack_for_reduce_scatter"], ([it.src for it in b.items], world, dtype))
         rs = g.call_function(c10d.reduce_scatter_tensor.default, (packed, op, world, group))
@@ -202,6 +206,8 @@ def _bucket_reduce_scatters(gm: fx.GraphModule, b: _Bucket, bid: str) -> fx.Node
     _replace_members(gm, b, split, anchor=last.coll)
     rs.meta["graphcomp_bucket"] = bid
     rs.meta["graphcomp_params"] = [it.src.name for it in b.items]
+    if trace:
+        rs.meta["stack_trace"] = trace
     return packed
 
 

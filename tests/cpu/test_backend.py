@@ -216,3 +216,36 @@ def test_require_on_a_cpu_graph_raises():
         cm(torch.randn(2, 4))
     assert isinstance(ei.value, CudaGraphsRequired) or isinstance(getattr(ei.value, "inner_exception", None), CudaGraphsRequired) \
         or "CudaGraphsRequired" in repr(ei.value)
+
+
+def test_public_functions_name_the_bad_argument():
+    """Loud refusals (issue 16): a wrong type or value raises TypeError/ValueError
+    naming the argument, before anything is compiled or sharded."""
+    import torch.fx as fx
+
+    import graphcomp
+    from graphcomp.config import Config
+    from graphcomp.sharding import full_state_dict
+
+    gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"graphcomp.backend: gm must be a torch.fx.GraphModule.*got Linear"):
+        graphcomp.backend(torch.nn.Linear(2, 2), [torch.ones(2)])
+    with pytest.raises(TypeError, match=r"example_inputs must be a list.*got Tensor"):
+        graphcomp.backend(gm, torch.ones(2))
+    with pytest.raises(TypeError, match=r"graphcomp options: expected a mapping.*got str 'eager'"):
+        graphcomp.backend(gm, [torch.ones(2)], options="eager")
+    with pytest.raises(ValueError, match=r"mode='max-autotune'.*valid: mode=None"):
+        graphcomp.backend(gm, [torch.ones(2)], mode="max-autotune")
+    with pytest.raises(ValueError, match=r"Config.rank_agreement_timeout: must be a finite number of seconds > 0"):
+        Config.from_options({"rank_agreement_timeout": 0})
+    with pytest.raises(ValueError, match=r"Config.verify_collectives: 'always' does not match"):
+        Config.from_options({"verify_collectives": "always"})
+    with pytest.raises(ValueError, match=r"Config.rank_agreement: expected bool, got int 1"):
+        Config.from_options({"rank_agreement": 1})
+    with pytest.raises(TypeError, match=r"graphcomp.shard: group must be a torch.distributed.ProcessGroup or None.*"
+                       r"got str 'world'"):
+        graphcomp.shard(torch.nn.Linear(2, 2), "world")
+    with pytest.raises(TypeError, match=r"full_state_dict: model must be an nn.Module, got dict"):
+        full_state_dict({})
+    with pytest.raises(TypeError, match=r"full_state_dict: rank0_only must be True or False, got 'yes'"):
+        full_state_dict(torch.nn.Linear(2, 2), rank0_only="yes")

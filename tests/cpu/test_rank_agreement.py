@@ -1,0 +1,194 @@
+"""Rank agreement (graphcomp.agreement): ranks whose Python takes different paths
+fail with an error naming the first differing collective and its source line, on
+every rank, long before the process-group timeout; matching ranks pass through.
+
+Every multi-rank test runs under a DistPool timeout (which is also the ranks'
+process-group timeout, 240 s: an answer within 60 s is the agreement check, not
+gloo's timeout)."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import DistPool
+
+WAIT_S = 60.0  # the bar: both ranks raise within this
+
+
+class Weights(nn.Module):
+    """Weights of distinct shapes, so each gather is recognisable by its bytes (held
+    by a child module whose forward never runs: every read gathers on use, in the
+    compiled graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 8))
+        self.w2 = nn.Parameter(torch.randn(8, 8) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(6, 8))
+
+
+class ThreePart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = Weights()
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x @ self.p.w1
+        if self.extra:
+            x = x + (self.p.w3.sum(0) * 0.0)  # EXTRA-READ: only one rank reads w3
+        return (x @ self.p.w2).sum()
+
+
+def _run(rank: int, world: int, extra_rank: int | None, options: dict, compile_: bool = True) -> dict:
+    import graphcomp
+    from graphcomp.errors import RankDivergence
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+    torch.manual_seed(0)
+    m = ThreePart()
+    graphcomp.shard(m)
+    m.extra = rank == extra_rank
+    run = torch.compile(m, backend="graphcomp", options={"codegen": "eager", **options}) if compile_ else m
+    t0 = time.monotonic()
+    try:
+        loss = run(torch.randn(4, 8))
+        loss.backward()
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps backend errors: find ours
+        inner = e
+        while inner is not None and not isinstance(inner, RankDivergence):
+            inner = getattr(inner, "inner_exception", None) or inner.__cause__
+        return {"error": str(inner if inner is not None else e), "ours": inner is not None,
+                "seconds": time.monotonic() - t0}
+    return {"loss": float(loss), "seconds": time.monotonic() - t0, "counters": dict(graphcomp.counters)}
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    with DistPool(2, timeout=240) as pool:
+        yield pool
+
+
+def test_matching_ranks_agree(ranks2):
+    out = ranks2.run(_run, None, {}, timeout=240)
+    for r in out:
+        assert r["counters"]["rank_agreement_checks"] == 2, r  # fwd and bwd, one group each
+        assert "rank_divergences" not in r["counters"]
+
+
+def test_one_rank_reads_an_extra_weight_both_raise_naming_it(ranks2):
+    out = ranks2.run(_run, 1, {"passes": {"bucket_collectives": False}}, timeout=240)
+    for rank, r in enumerate(out):
+        assert r.get("ours"), r
+        assert r["seconds"] < WAIT_S, r
+        msg = r["error"]
+        assert "ranks disagree on the collectives of the fwd graph" in msg, msg
+        assert "collective #1 differs" in msg, msg  # w1's gather agrees; then w3 (rank 1) vs w2 (rank 0)
+        assert "EXTRA-READ" in msg and "test_rank_agreement.py" in msg, msg  # the source line of the read
+        assert "all_gather float32 192 B" in msg and "all_gather float32 256 B" in msg, msg
+
+
+def test_divergence_with_bucketing_names_the_bucket(ranks2):
+    out = ranks2.run(_run, 1, {}, timeout=240)
+    for r in out:
+        assert r.get("ours") and r["seconds"] < WAIT_S, r
+        assert "collective #0 differs" in r["error"] and "bucket=joint:ag0" in r["error"], r
+        assert "all_gather float32 512 B" in r["error"] and "all_gather float32 704 B" in r["error"], r
+        assert "test_rank_agreement.py" in r["error"], r  # a bucket is issued at its first member's line
+
+
+def test_a_rank_that_never_compiles_is_named_after_the_timeout(ranks2):
+    out = ranks2.run(_one_compiles, timeout=240)
+    r0 = out[0]
+    assert r0.get("ours"), r0
+    assert "rank 1 did not publish the collective sequence of the fwd graph" in r0["error"], r0
+    assert 2.5 <= r0["seconds"] < 30, r0
+    assert out[1] == {"skipped": True}
+
+
+def _one_compiles(rank: int, world: int) -> dict:
+    if rank == 1:  # compiles a graph without collectives instead (publishes nothing)
+        torch._dynamo.reset()
+        torch.compile(lambda x: x + 1, backend="graphcomp", options={"codegen": "eager"})(torch.ones(2))
+        return {"skipped": True}
+    return _run(rank, world, None, {"rank_agreement_timeout": 3.0})
+
+
+def _recompile_alone(rank: int, world: int) -> dict:
+    import graphcomp
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+    torch.manual_seed(0)
+    m = ThreePart()
+    graphcomp.shard(m)
+    run = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "rank_agreement_timeout": 45.0})
+    run(torch.randn(4, 8)).backward()
+    t0 = time.monotonic()
+    run(torch.randn(6 if rank == 0 else 4, 8)).backward()  # rank 0 alone sees a new shape: recompiles
+    took = time.monotonic() - t0
+    return {"seconds": took, "frames": len(graphcomp.frame_summaries()), "counters": dict(graphcomp.counters)}
+
+
+def test_a_recompile_on_one_rank_with_the_same_collectives_does_not_wait(ranks2):
+    """One rank seeing a new input shape recompiles alone; its collectives are the
+    same (parameter-sized), so the check passes at once, without waiting for a peer
+    that will never compile again."""
+    out = ranks2.run(_recompile_alone, timeout=240)
+    assert out[0]["frames"] == 2 and out[1]["frames"] == 1, out
+    assert out[0]["counters"]["rank_agreement_checks"] == 4, out  # fwd and bwd of both compiles
+    assert out[0]["seconds"] < 40, out  # (compile time; not the 45 s timeout)
+
+
+def test_agreement_off_skips_the_exchange(ranks2):
+    out = ranks2.run(_run, None, {"rank_agreement": False}, timeout=240)
+    for r in out:
+        assert "rank_agreement_checks" not in r["counters"], r
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+        self.c = nn.Linear(8, 2)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if self.use_b:
+            x = x + self.b(x).sum() * 0.0  # DATA-DEPENDENT: only one rank runs b
+        return self.c(x).sum()
+
+
+def _eager(rank: int, world: int) -> dict:
+    import graphcomp
+    from graphcomp.errors import RankDivergence
+
+    graphcomp.reset()
+    torch.manual_seed(0)
+    m = TwoBlocks()
+    graphcomp.shard(m)
+    t0 = time.monotonic()
+    m.use_b = False
+    m(torch.randn(2, 8)).backward()  # a step where the ranks agree
+    m.use_b = rank == 1
+    try:
+        m(torch.randn(2, 8)).backward()
+    except RankDivergence as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+def test_debug_mode_checks_eager_gathers():
+    with DistPool(2, timeout=240, env={"GRAPHCOMP_DEBUG": "1"}) as pool:
+        out = pool.run(_eager, timeout=240)
+    for r in out:
+        assert r["error"] is not None, r
+        assert r["seconds"] < WAIT_S, r
+        assert "ranks disagree on the collectives of eager code" in r["error"], r
+        assert "shape [1]" in r["error"] and "shape [2]" in r["error"], r  # c.bias's shard (rank 0) vs b.bias's
+        assert "DATA-DEPENDENT" in r["error"] or "test_rank_agreement.py" in r["error"], r
