@@ -153,7 +153,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # graphcomp's own gather code (every gather's stack ends there): not the source
 _GATHER_FILES = frozenset(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-    for f in ("sharding.py", "gather_scope.py", "mesh_sharding.py", "_compat.py")
+    for f in ("sharding.py", "shard_gather.py", "shard_layout.py", "gather_scope.py", "mesh_sharding.py", "_compat.py")
 )
 
 
