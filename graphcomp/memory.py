@@ -165,14 +165,41 @@ def backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
+def recompute_points(nodes: list[fx.Node], idx: dict[fx.Node, int], recompute: set[fx.Node],
+                     bwd: set[fx.Node]) -> dict[fx.Node, int]:
+    """Forward node recomputed in backward -> the position (a backward node's) where
+    its value is needed again: its first backward user, or the earliest point where a
+    recomputed user of it is needed (chains are recomputed together)."""
+    out: dict[fx.Node, int] = {}
+    for n in reversed(nodes):
+        if n in recompute and n not in bwd:
+            ps = [idx[u] for u in n.users if u in bwd] + [out[u] for u in n.users if u in out]
+            if ps:
+                out[n] = min(ps)
+    return out
+
+
 def intervals(
     gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
     persistent: Iterable[fx.Node] | None = None, inputs_until_wait: bool = True, fused: bool = False,
+    recompute: Iterable[fx.Node] = (),
 ) -> tuple[list[fx.Node], dict[fx.Node, list[tuple[int, int]]], dict[fx.Node, int]]:
-    """(nodes in order, storage root -> live intervals [start, end] inclusive, root -> bytes)."""
+    """(nodes in order, storage root -> live intervals [start, end] inclusive, root -> bytes).
+
+    ``recompute``: forward nodes the partitioner recomputes in backward (what
+    ``passes/remat.py`` tags): like ``reshard`` for their storages (freed after the
+    last forward use, allocated again just before the backward needs them; not
+    allocated in forward at all when only the backward reads them), and each of
+    their inputs is read again where they are recomputed (it must be live there)."""
     nodes = list(gm.graph.nodes)
     idx = {n: i for i, n in enumerate(nodes)}
     end = len(nodes) - 1
+    recompute = set(recompute)
+    points: dict[fx.Node, int] = {}
+    if recompute:
+        if bwd is None:
+            bwd = backward_nodes(gm)
+        points = recompute_points(nodes, idx, recompute, bwd)
     roots: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         roots[n] = roots[n.args[0]] if is_alias(n) and n.args[0] in roots else n  # type: ignore[index]
@@ -194,6 +221,10 @@ def intervals(
             if roots.get(u) is r and u is not r:
                 continue  # an alias of r: its own users count (a view is not a use)
             uses[r].append(end if u.op == "output" else runs_at[u])
+    for n, p in points.items():  # a recomputed node reads its inputs again where it is recomputed
+        for a in n.all_input_nodes:
+            if a in roots and a.op != "output":
+                uses[roots[a]].append(p)
     # a collective's input buffer is in use until the collective is waited on
     for n in nodes if inputs_until_wait else ():
         if n.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(n.args[0], fx.Node):
@@ -201,7 +232,7 @@ def intervals(
                 if a in roots and a.op != "output":
                     uses[roots[a]].append(idx[n])
     inplace = _inplace_reuse(nodes, idx, roots, uses, size, away) if fused else {}
-    reshard = set(reshard)
+    reshard = set(reshard) | {roots[n] for n in points}
     if reshard and bwd is None:
         bwd = backward_nodes(gm)
     keep = None if persistent is None else set(persistent)
@@ -216,6 +247,9 @@ def intervals(
             if bw and fw:
                 first_bw = min(bw)
                 live[r] = [(start, max(fw)), (max(first_bw - 1, max(fw) + 1), max(bw))]
+                continue
+            if bw and r in points:  # read by the backward only: computed there, not in forward
+                live[r] = [(max(min(bw) - 1, start), max(bw))]
                 continue
         if r in inplace and last == inplace[r]:
             last -= 1  # the kernel at `last` writes its output into this buffer
@@ -282,7 +316,7 @@ def _timeline_from(nodes: list[fx.Node], live: dict[fx.Node, list[tuple[int, int
 def estimate(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
              **kw: Any) -> MemoryEstimate:
     """Estimated peak bytes of ``gm`` in its current order (see module docstring;
-    ``kw``: ``persistent``, ``inputs_until_wait`` of :func:`intervals`)."""
+    ``kw``: ``persistent``, ``inputs_until_wait``, ``recompute`` of :func:`intervals`)."""
     return _estimate_from(*intervals(gm, reshard, bwd, **kw))
 
 
@@ -303,12 +337,21 @@ def graph_device(gm: fx.GraphModule) -> torch.device | None:
     return None
 
 
-def resolve_budget(budget: int | float | None, gm: fx.GraphModule) -> int | None:
+def resolve_budget(budget: int | float | str | None, gm: fx.GraphModule) -> int | None:
     """``Config.memory_budget`` in bytes for ``gm``'s device. A float is a fraction
     of CUDA device memory; on any other device it is a ValueError (CPU memory is
-    shared with everything else on the host: give bytes)."""
+    shared with everything else on the host: give bytes). ``"auto"`` is
+    ``config.AUTO_BUDGET_FRACTION`` of CUDA device memory, and no budget (None) on
+    any other device."""
     if budget is None:
         return None
+    if budget == "auto":
+        from . import _compat
+        from .config import AUTO_BUDGET_FRACTION
+
+        dev = graph_device(gm)
+        total = _compat.device_memory_bytes(dev) if dev is not None else None
+        return None if total is None else int(AUTO_BUDGET_FRACTION * total)
     if isinstance(budget, float):
         from . import _compat
 

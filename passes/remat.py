@@ -1,0 +1,287 @@
+"""remat (joint): memory-budgeted rematerialization of saved activations.
+
+Decides, per activation the backward reads (a forward value with a backward user),
+whether the forward saves it or the backward recomputes it, so that the estimated
+peak of the joint graph stays under ``Config.memory_budget`` and the time spent
+recomputing is smallest. It rewrites no code: it tags ``node.meta["recompute"]``,
+which AOTAutograd's min-cut partitioner obeys::
+
+    x -> mm -> relu -> mm_1 -> ...        relu.meta["recompute"] = MUST_RECOMPUTE
+              \\-> (saved) -> threshold_backward   becomes
+    x -> mm -> relu -> mm_1 -> ...   (relu not saved: the backward runs relu(mm) again
+                                      before threshold_backward, from the saved mm)
+
+**What is a candidate.** A forward node that owns its storage (views, ``getitem``
+and ``wait_tensor`` follow their base and are tagged with it), is read by the
+backward (directly or through its views), is not returned by the graph, has a
+deterministic aten/prims op (no random op; attention kernels only without
+dropout), writes no input, and is no collective. Nodes already tagged stay as
+they are (``schedule_free``'s gathers; selective-checkpoint ``MUST_SAVE``), except
+user ``torch.utils.checkpoint`` regions under ``Config.remat="auto"``: their tags
+are dropped and their nodes become candidates like any other (the region's
+``ac_graph_id`` goes too, so the partitioner's region-boundary rule does not
+override the plan). Under ``"respect_user"`` they stay recomputed as written.
+
+**Cost model** (the same on every rank: it reads only shapes and the config).
+Recomputing ``n`` costs ``LAUNCH_S + max(flops / FLOPS_PER_S, io_bytes /
+BYTES_PER_S)``: flops from ``torch.utils.flop_counter``'s formulas (matmuls,
+attention, convolutions), io bytes its inputs plus its output (what an elementwise
+op moves). Recomputing it frees its bytes between its last forward use and the
+point the backward needs it again, but keeps its inputs live until then (the
+memory model charges that: ``memory.intervals(recompute=...)``).
+
+**Policy: greedy by bytes freed per recompute-second.** Minimising recompute time
+subject to the peak bound is a knapsack (with interactions: a recomputed value
+keeps its inputs alive); ranking by value-per-cost is the classic greedy for it,
+within one item of optimal when items are small next to the budget, which
+activations are next to a device's memory. Start from the plan with every
+candidate saved; while the estimated peak is over the budget, take the best-ranked
+untried candidate whose saved interval covers the current peak position, and keep
+it if the peak (or the memory at that position, on a plateau) drops. Then prune:
+in worst-ranked-first order, drop any chosen recompute the budget no longer needs.
+Each candidate is tried at most once, so the pass ends after O(candidates)
+memory estimates (each linear in the graph). Ties go to graph order, and nothing
+iterates a set of nodes: every rank computes the same plan.
+
+If the budget cannot be met (over it with every candidate that helps
+recomputed), the pass keeps those recomputes (least memory it found), logs a
+warning, records the reason and counts ``memory_budget_infeasible``.
+
+No-op when there is no backward (inference), no budget (``memory_budget=None``,
+or ``"auto"`` on a CPU graph), or when the graph as tagged is under the budget and
+no user region is a candidate (``"respect_user"``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from graphcomp import _compat, memory
+from graphcomp import graph_utils as gu
+from graphcomp.pipeline import PassContext, PassResult, register_pass
+
+log = logging.getLogger(__name__)
+
+FLOPS_PER_S = 400e12  # matmul throughput of the cost model (bf16 dense on a current GPU, order of magnitude)
+BYTES_PER_S = 2e12  # memory bandwidth of the cost model (elementwise ops)
+LAUNCH_S = 5e-6  # fixed cost per recomputed op
+MAX_NOTES = 20  # decisions listed by name in the pass record
+
+
+@dataclass(frozen=True, eq=False)
+class Candidate:
+    """A saved activation that could be recomputed: its node, the forward aliases
+    tagged with it, its bytes, its modelled recompute time, where it is free of
+    memory when recomputed (``lo..hi``, graph positions) and whether it sits in a
+    user checkpoint region."""
+
+    node: fx.Node
+    group: tuple[fx.Node, ...]
+    nbytes: int
+    seconds: float
+    flops: int
+    index: int
+    lo: int
+    hi: int
+    user: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / self.seconds
+
+
+@dataclass
+class RematPlan:
+    """What :func:`plan` decided: the chosen recomputes (graph order), the
+    estimates with the plan as tagged on entry and with the chosen one, and why the
+    budget is infeasible (None if it is met)."""
+
+    candidates: list[Candidate]
+    chosen: list[Candidate]
+    before: memory.MemoryEstimate
+    after: memory.MemoryEstimate
+    infeasible: str | None = None
+
+
+def recompute_seconds(node: fx.Node) -> tuple[float, int]:
+    """(modelled seconds to recompute ``node``, its flops)."""
+    flops = _compat.node_flops(node)
+    io = memory.value_bytes(node) + sum(memory.value_bytes(a) for a in node.all_input_nodes)
+    return LAUNCH_S + max(flops / FLOPS_PER_S, io / BYTES_PER_S), flops
+
+
+def _aliases(node: fx.Node, bwd: set[fx.Node]) -> list[fx.Node]:
+    """``node`` and the forward views of it (transitively), graph order of discovery."""
+    out, todo = [node], [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u not in bwd and u not in out and memory.is_alias(u) and u.args and u.args[0] is n:
+                out.append(u)
+                todo.append(u)
+    return out
+
+
+def _recomputable_op(node: fx.Node) -> bool:
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload) or t.namespace not in ("aten", "prims"):
+        return False
+    if gu.collective_kind(node) is not None or _compat.is_mutating(node):
+        return False
+    return _compat.recompute_is_deterministic(node)
+
+
+def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str) -> list[Candidate]:
+    """Every candidate of the joint graph (module docstring), in graph order."""
+    nodes = list(gm.graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    out = []
+    for n in nodes:
+        if n.op != "call_function" or n in bwd or memory.is_alias(n) or not _recomputable_op(n):
+            continue
+        group = _aliases(n, bwd)
+        free_tag = (lambda g: "recompute" not in g.meta
+                    or (mode == "auto" and _compat.is_user_checkpoint(g)))
+        if not all(free_tag(g) for g in group):
+            continue
+        users = [u for g in group for u in g.users if u not in group]
+        if any(u.op == "output" for u in users):
+            continue  # returned by the graph: live to its end either way
+        bw = [idx[u] for u in users if u in bwd]
+        nbytes = memory.value_bytes(n)
+        if not bw or nbytes <= 0:
+            continue
+        fw = [idx[u] for u in users if u not in bwd]
+        lo = max(fw) + 1 if fw else idx[n]
+        secs, flops = recompute_seconds(n)
+        out.append(Candidate(n, tuple(group), nbytes, secs, flops, idx[n], lo, min(bw) - 2,
+                             _compat.is_user_checkpoint(n)))
+    return out
+
+
+def partitioner_saves(node: fx.Node) -> bool:
+    """A recompute-tagged node the partitioner saves anyway: the output of one user
+    checkpoint region read by a recomputed node of a later region
+    (``cleanup_recompute_tags``, torch 2.11 and 2.13)."""
+    gid = node.meta.get("ac_graph_id")
+    return gid is not None and any(
+        _compat.must_recompute(u) and u.meta.get("ac_graph_id", gid) > gid for u in node.users)
+
+
+class _Model:
+    """The memory model of the joint graph under a set of recomputed nodes."""
+
+    def __init__(self, gm: fx.GraphModule, bwd: set[fx.Node]):
+        self.gm, self.bwd = gm, bwd
+
+    def timeline(self, recompute: list[fx.Node]) -> tuple[list[int], memory.MemoryEstimate]:
+        nodes, live, size = memory.intervals(self.gm, bwd=self.bwd, recompute=recompute)
+        return memory._timeline_from(nodes, live, size), memory._estimate_from(nodes, live, size)
+
+
+def plan(gm: fx.GraphModule, budget: int, mode: str) -> RematPlan:
+    """Choose the activations to recompute (module docstring: the greedy policy)."""
+    bwd = memory.backward_nodes(gm)
+    model = _Model(gm, bwd)
+    tagged = [n for n in gm.graph.nodes if _compat.must_recompute(n) and not partitioner_saves(n)]
+    _, before = model.timeline(tagged)
+    fixed = [n for n in tagged if not (mode == "auto" and _compat.is_user_checkpoint(n))]
+    cands = candidates(gm, bwd, mode)
+    chosen: list[Candidate] = []
+
+    def rset(cs: list[Candidate]) -> list[fx.Node]:
+        return fixed + [g for c in cs for g in c.group]
+
+    tl, est = model.timeline(rset(chosen))
+    order = sorted(cands, key=lambda c: (-c.ratio, c.index))
+    tried: set[int] = set()
+    infeasible = None
+    while est.peak_bytes > budget:
+        p = est.peak_index
+        c = next((c for c in order if c.index not in tried and c.lo <= p <= c.hi), None)
+        if c is None:
+            infeasible = (f"memory_budget={budget} bytes is infeasible: the estimated joint peak is still "
+                          f"{est.peak_bytes} bytes (at {est.peak_node}) with {len(chosen)} activations "
+                          f"recomputed and no candidate left that frees memory there")
+            break
+        tried.add(c.index)
+        t_tl, t_est = model.timeline(rset(chosen + [c]))
+        if t_est.peak_bytes < est.peak_bytes or (t_est.peak_bytes == est.peak_bytes and t_tl[p] < tl[p]):
+            chosen.append(c)
+            tl, est = t_tl, t_est
+    if infeasible is None:  # prune what the budget no longer needs, costliest per byte first
+        for c in sorted(chosen, key=lambda c: (c.ratio, -c.index)):
+            rest = [x for x in chosen if x is not c]
+            t_tl, t_est = model.timeline(rset(rest))
+            if t_est.peak_bytes <= budget:
+                chosen, tl, est = rest, t_tl, t_est
+    chosen.sort(key=lambda c: c.index)
+    return RematPlan(cands, chosen, before, est, infeasible)
+
+
+def _fmt(c: Candidate) -> str:
+    return f"{c.node.name} ({gu.op_name(c.node)}, {c.nbytes} B, {c.seconds * 1e6:.1f} us{', user region' if c.user else ''})"
+
+
+@register_pass("remat", stages=("joint",), after=("schedule_free",))
+def remat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    if ctx.stage != "joint" or not _compat.is_joint_graph(gm):
+        return ctx.unchanged(gm, "no backward in this graph (inference): nothing is saved for it")
+    budget = memory.resolve_budget(ctx.config.memory_budget, gm)
+    if budget is None:
+        return ctx.unchanged(gm, f"no memory budget (memory_budget={ctx.config.memory_budget!r} on "
+                                 f"{memory.graph_device(gm)}): every recompute tag left as it is")
+    mode = ctx.config.remat
+    p = plan(gm, budget, mode)
+    Policy = _compat.checkpoint_policy()
+    users = [n for n in gm.graph.nodes if _compat.is_user_checkpoint(n)]
+    cand_user = [c for c in p.candidates if c.user]
+    chosen_ids = {c.index for c in p.chosen}
+    ctx.count("budget_bytes", budget)
+    ctx.count("estimated_peak_before", p.before.peak_bytes)
+    ctx.count("estimated_peak_after", p.after.peak_bytes)
+    ctx.count("candidates", len(p.candidates))
+    ctx.count("recomputed", len(p.chosen))
+    ctx.count("recomputed_bytes", sum(c.nbytes for c in p.chosen))
+    ctx.count("kept", len(p.candidates) - len(p.chosen))
+    ctx.count("kept_bytes", sum(c.nbytes for c in p.candidates if c.index not in chosen_ids))
+    ctx.count("recompute_flops", sum(c.flops for c in p.chosen))
+    ctx.count("recompute_us", round(sum(c.seconds for c in p.chosen) * 1e6, 1))
+    if mode == "auto" and users:
+        user_kept = [c for c in cand_user if c.index not in chosen_ids]
+        ctx.count("user_kept", len(user_kept))
+        ctx.count("user_kept_bytes", sum(c.nbytes for c in user_kept))
+        ctx.counter("user_checkpoint_saved", len(user_kept))
+    elif users:
+        ctx.count("user_recomputed", len([n for n in users if not memory.is_alias(n)]))
+    if p.infeasible is not None:
+        log.warning("graphcomp remat (frame %s): %s", ctx.frame_id, p.infeasible)
+        ctx.note(p.infeasible)
+        ctx.count("budget_infeasible")
+        ctx.counter("memory_budget_infeasible", 1)
+    for c in p.chosen[:MAX_NOTES]:
+        ctx.note(f"recompute {_fmt(c)}")
+    if len(p.chosen) > MAX_NOTES:
+        ctx.note(f"... and {len(p.chosen) - MAX_NOTES} more recomputed")
+    summary = (f"{len(p.chosen)} of {len(p.candidates)} candidate activations recomputed "
+               f"({sum(c.nbytes for c in p.chosen)} B); estimated joint peak {p.before.peak_bytes} -> "
+               f"{p.after.peak_bytes} B, budget {budget} B")
+    log.info("graphcomp remat (frame %s, remat=%r): %s", ctx.frame_id, mode, summary)
+    if not p.chosen and not (mode == "auto" and users):
+        if p.infeasible is not None:
+            return ctx.unchanged(gm, "no recompute lowers the estimated peak: " + p.infeasible)
+        return ctx.unchanged(gm, f"estimated joint peak {p.before.peak_bytes} B is under memory_budget={budget} B "
+                                 "with the tags as they are: nothing to recompute")
+    if mode == "auto":
+        for n in users:  # candidates, not orders: saved unless chosen below
+            _compat.clear_recompute(n)
+            n.meta.pop("ac_graph_id", None)
+    for c in p.chosen:
+        for g in c.group:
+            g.meta["recompute"] = Policy.MUST_RECOMPUTE
+    ctx.counter("activations_recomputed", len(p.chosen))
+    return ctx.changed(gm, summary)
