@@ -135,31 +135,64 @@ def _recomputable_op(node: fx.Node) -> bool:
     return _compat.recompute_is_deterministic(node)
 
 
+MAX_UNIT = 32  # most nodes recomputed together for one candidate
+
+
 def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str) -> list[Candidate]:
-    """Every candidate of the joint graph (module docstring), in graph order."""
+    """Every candidate of the joint graph (module docstring), in graph order.
+
+    A candidate is recomputed as a unit with the producers it needs that the
+    backward does not read (``x -> mm -> relu``, relu saved: recomputing relu alone
+    would only trade relu's bytes for mm's, so mm is recomputed with it), up to
+    inputs that stay live anyway (graph inputs, other saved activations, tagged
+    nodes) or ``MAX_UNIT`` nodes."""
     nodes = list(gm.graph.nodes)
     idx = {n: i for i, n in enumerate(nodes)}
+
+    def free_tag(g: fx.Node) -> bool:
+        return "recompute" not in g.meta or (mode == "auto" and _compat.is_user_checkpoint(g))
+
+    info: dict[fx.Node, tuple[list[fx.Node], list[fx.Node]]] = {}  # root -> (aliases, users outside them)
+    for n in nodes:
+        if n.op == "call_function" and n not in bwd and not memory.is_alias(n):
+            group = _aliases(n, bwd)
+            info[n] = (group, [u for g in group for u in g.users if u not in group])
+
+    def saved(r: fx.Node) -> bool:
+        return r in info and any(u in bwd for u in info[r][1])
+
+    def ok(r: fx.Node) -> bool:
+        return r in info and _recomputable_op(r) and all(free_tag(g) for g in info[r][0])
+
     out = []
     for n in nodes:
-        if n.op != "call_function" or n in bwd or memory.is_alias(n) or not _recomputable_op(n):
+        if n not in info or not saved(n) or not ok(n):
             continue
-        group = _aliases(n, bwd)
-        free_tag = (lambda g: "recompute" not in g.meta
-                    or (mode == "auto" and _compat.is_user_checkpoint(g)))
-        if not all(free_tag(g) for g in group):
-            continue
-        users = [u for g in group for u in g.users if u not in group]
+        group, users = info[n]
         if any(u.op == "output" for u in users):
             continue  # returned by the graph: live to its end either way
-        bw = [idx[u] for u in users if u in bwd]
         nbytes = memory.value_bytes(n)
-        if not bw or nbytes <= 0:
+        if nbytes <= 0:
             continue
+        unit, todo = [n], [n]
+        while todo and len(unit) < MAX_UNIT:
+            m = todo.pop(0)
+            for a in m.all_input_nodes:
+                r = memory.storage_root(a)
+                if r in unit or r.op == "placeholder" or saved(r) or not ok(r):
+                    continue  # live anyway (or not recomputable: the partitioner saves it)
+                if any(u.op == "output" for u in info[r][1]):
+                    continue
+                unit.append(r)
+                todo.append(r)
+        unit.sort(key=idx.__getitem__)
         fw = [idx[u] for u in users if u not in bwd]
+        bw = [idx[u] for u in users if u in bwd]
         lo = max(fw) + 1 if fw else idx[n]
-        secs, flops = recompute_seconds(n)
-        out.append(Candidate(n, tuple(group), nbytes, secs, flops, idx[n], lo, min(bw) - 2,
-                             _compat.is_user_checkpoint(n)))
+        cost = [recompute_seconds(m) for m in unit]
+        tagged = tuple(g for m in unit for g in info[m][0])
+        out.append(Candidate(n, tagged, nbytes, sum(c[0] for c in cost), sum(c[1] for c in cost), idx[n], lo,
+                             min(bw) - 2, _compat.is_user_checkpoint(n)))
     return out
 
 
