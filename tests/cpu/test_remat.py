@@ -1,0 +1,215 @@
+"""remat on AOTAutograd joint graphs: exact decisions under a budget, the
+partitioner obeying them, infeasible budgets, determinism, a hypothesis test of
+the policy, and end-to-end numerics with torch.utils.checkpoint regions under
+remat="auto" and "respect_user" (bitwise against the unrewritten run on CPU)."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from _graphs import run_pass
+
+import graphcomp
+from graphcomp import _compat, memory
+from graphcomp.passes.remat import candidates, plan
+
+aten = torch.ops.aten
+N = 256  # rows: activations (N x width fp32) dominate the weights
+
+
+def _mlp(acts):
+    def f(x, *ws):
+        h = x
+        for w, a in zip(ws, acts):
+            h = a(h @ w)
+        return h.sum()
+
+    return f
+
+
+def _weights(widths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(a, b, generator=g, requires_grad=True) for a, b in zip(widths, widths[1:])]
+
+
+def _compile(f, options=None, joint_passes=("remat",)):
+    """aot_function with our joint passes before the min-cut partitioner; returns the
+    compiled fn and a dict that gets the joint/fwd/bwd graphs and the pass record."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    got = {}
+
+    def partition(joint, joint_inputs, **kw):
+        got["untagged"] = {n.name for n in joint.graph.nodes if "recompute" not in n.meta}
+        for name in joint_passes:
+            if options is not None:
+                joint, got["record"] = run_pass(name, joint, **options)
+        got["joint"] = joint
+        got["fwd"], got["bwd"] = _compat.min_cut_partition(joint, joint_inputs, **kw)
+        return got["fwd"], got["bwd"]
+
+    def nop(gm, _):
+        return make_boxed_func(gm.forward)
+
+    return aot_function(f, fw_compiler=nop, bw_compiler=nop, partition_fn=partition), got
+
+
+def _joint(acts, widths, seed=0):
+    """The joint graph of an MLP (x: N x widths[0])."""
+    got = {}
+
+    def grab(joint, joint_inputs, **kw):
+        got["joint"] = joint
+        return _compat.min_cut_partition(joint, joint_inputs, **kw)
+
+    from functorch.compile import aot_function, make_boxed_func
+
+    f = aot_function(_mlp(acts), fw_compiler=lambda g, _: make_boxed_func(g.forward),
+                     bw_compiler=lambda g, _: make_boxed_func(g.forward), partition_fn=grab)
+    x = torch.randn(N, widths[0], generator=torch.Generator().manual_seed(seed))
+    f(x, *_weights(widths, seed)).backward()
+    return got["joint"]
+
+
+def _saved(fwd):
+    """Names of the forward graph's outputs saved for backward (all but the loss)."""
+    out = next(n for n in fwd.graph.nodes if n.op == "output")
+    return {a.name for a in out.args[0][1:] if isinstance(a, torch.fx.Node)}
+
+
+ACTS = [torch.relu, torch.tanh, torch.relu, lambda h: h]
+WIDTHS = [16, 64, 64, 64, 16]
+
+
+def _recompute_tagged(gm):
+    return sorted(n.name for n in gm.graph.nodes if _compat.must_recompute(n))
+
+
+def test_candidates_are_saved_activations_with_their_producers():
+    gm = _joint(ACTS, WIDTHS)
+    cs = candidates(gm, memory.backward_nodes(gm), "respect_user")
+    assert [c.node.name for c in cs] == ["relu", "tanh", "relu_1"]
+    relu = cs[0]
+    assert relu.nbytes == N * 64 * 4
+    # relu is recomputed from mm (which the backward does not read): both go, with relu's views
+    assert {g.name for g in relu.group} >= {"mm", "relu"}
+    assert relu.flops == 2 * N * 16 * 64  # mm's flops (relu: none in flop_counter)
+
+
+def test_budget_decides_exactly():
+    gm = _joint(ACTS, WIDTHS)
+    peak = memory.estimate(gm).peak_bytes
+    # at the peak: nothing to do
+    p = plan(gm, peak, "respect_user")
+    assert p.chosen == [] and p.infeasible is None and p.after.peak_bytes == peak
+    # one activation less: relu (cheapest per byte: its producer mm is the smallest matmul)
+    p = plan(gm, peak - 40_000, "respect_user")
+    assert [c.node.name for c in p.chosen] == ["relu"] and p.infeasible is None
+    assert p.after.peak_bytes == peak - N * 64 * 4 <= peak - 40_000
+    # below what recomputation can reach: infeasible, the least memory found is kept
+    p = plan(gm, 1000, "respect_user")
+    assert p.infeasible is not None and "infeasible" in p.infeasible
+    assert [c.node.name for c in p.chosen] == ["relu"] and p.after.peak_bytes < peak
+
+
+def test_partitioner_obeys_the_tags():
+    x = torch.randn(N, 16)
+    ws = _weights(WIDTHS)
+    ref_f, ref = _compile(_mlp(ACTS), options=None)
+    ref_f(x, *ws).backward()
+    ref_grads = [w.grad.clone() for w in ws]
+    for w in ws:
+        w.grad = None
+    peak = memory.estimate(ref["joint"]).peak_bytes
+    f, got = _compile(_mlp(ACTS), options={"memory_budget": peak - 40_000})
+    f(x, *ws).backward()
+    rec = got["record"]
+    assert rec.counts["recomputed"] == 1 and rec.counts["recomputed_bytes"] == N * 64 * 4
+    assert rec.counts["estimated_peak_after"] <= peak - 40_000 < rec.counts["estimated_peak_before"]
+    assert "relu" in _saved(ref["fwd"]) and "relu" not in _saved(got["fwd"])
+    ops = [n.target for n in got["bwd"].graph.nodes]
+    assert aten.relu.default in ops and aten.mm.default in ops  # recomputed in backward
+    for w, g in zip(ws, ref_grads):
+        torch.testing.assert_close(w.grad, g, rtol=0, atol=0)
+
+
+def test_infeasible_budget_warns_and_counts(caplog):
+    gm = _joint(ACTS, WIDTHS)
+    with caplog.at_level(logging.WARNING, logger="graphcomp.passes.remat"):
+        gm, rec = run_pass("remat", gm, memory_budget=1000)
+    assert rec.counts["budget_infeasible"] == 1 and rec.counts["recomputed"] == 1
+    assert any("infeasible" in r.message for r in caplog.records)
+    assert "relu" in _recompute_tagged(gm)
+
+
+def test_noop_cases():
+    gm = _joint(ACTS, WIDTHS)
+    gm, rec = run_pass("remat", gm)  # memory_budget="auto" on a CPU graph: no budget
+    assert "no memory budget" in rec.reason and _recompute_tagged(gm) == []
+    gm, rec = run_pass("remat", gm, memory_budget=10**9)
+    assert "nothing to recompute" in rec.reason and _recompute_tagged(gm) == []
+    from _graphs import trace
+
+    inf = trace(lambda x, w: torch.relu(x @ w), torch.randn(4, 4), torch.randn(4, 4))
+    inf, rec = run_pass("remat", inf, memory_budget=1)
+    assert "no backward" in rec.reason
+
+
+def test_plan_is_deterministic():
+    plans = []
+    for _ in range(2):  # two traces: different node objects, same graph
+        gm = _joint(ACTS, WIDTHS)
+        p = plan(gm, memory.estimate(gm).peak_bytes - 40_000, "respect_user")
+        plans.append([(c.node.name, [g.name for g in c.group]) for c in p.chosen])
+    assert plans[0] == plans[1] and plans[0]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="remat.*valid values.*respect_user.*auto"):
+        graphcomp.Config.from_options({"remat": "always"})
+    with pytest.raises(ValueError, match="memory_budget"):
+        graphcomp.Config.from_options({"memory_budget": "half"})
+    assert graphcomp.Config().memory_budget == "auto" and graphcomp.Config().remat == "respect_user"
+
+
+# ----------------------------------------------------------------- hypothesis
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    widths=st.lists(st.sampled_from([8, 16, 32, 64]), min_size=3, max_size=6),
+    act_ids=st.lists(st.integers(0, 3), min_size=5, max_size=5),
+    frac=st.floats(0.6, 1.05),
+)
+def test_policy_properties(widths, act_ids, frac):
+    """Budget respected when the plan says feasible; never worse than the graph as
+    tagged; nothing recomputed when it fits; the same plan from two traces; and the
+    partitioned graph computes the same gradients bitwise."""
+    table = [torch.relu, torch.tanh, torch.sigmoid, lambda h: h * 2]
+    acts = [table[i] for i in act_ids[: len(widths) - 1]]
+    gm = _joint(acts, widths)
+    peak = memory.estimate(gm).peak_bytes
+    budget = max(1, int(peak * frac))
+    p = plan(gm, budget, "respect_user")
+    event(f"recomputed: {bool(p.chosen)}, feasible: {p.infeasible is None}")
+    assert p.after.peak_bytes <= p.before.peak_bytes
+    if budget >= peak:
+        assert p.chosen == []
+    if p.infeasible is None:
+        assert p.after.peak_bytes <= budget
+    # the plan's estimate is the memory model of the tags it would write
+    tagged = [g for c in p.chosen for g in c.group]
+    assert memory.estimate(gm, recompute=tagged).peak_bytes == p.after.peak_bytes
+    p2 = plan(_joint(acts, widths), budget, "respect_user")
+    assert [c.node.name for c in p2.chosen] == [c.node.name for c in p.chosen]
+    # semantics: tags applied and partitioned: same gradients as the untagged run
+    x = torch.randn(N, widths[0], generator=torch.Generator().manual_seed(1))
+    grads = []
+    for opts in (None, {"memory_budget": budget}):
+        ws = _weights(widths, seed=2)
+        f, _ = _compile(_mlp(acts), options=opts)
+        f(x, *ws).backward()
+        grads.append([w.grad for w in ws])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
