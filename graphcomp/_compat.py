@@ -301,7 +301,7 @@ def process_group_name(group: Any) -> str:
 # --------------------------------------------------- activation-checkpoint tags
 # (and flop formulas): in graphcomp/_compat_remat.py, re-exported here
 from ._compat_remat import (  # noqa: E402,F401
-    checkpoint_policy, clear_recompute, is_mutating, is_user_checkpoint, must_recompute, node_flops,
+    allow_side_effects_under_checkpoint, checkpoint_policy, clear_recompute, is_mutating, is_user_checkpoint, must_recompute, node_flops,
     recompute_is_deterministic,
 )
 

@@ -102,3 +102,23 @@ def node_flops(node: fx.Node) -> int:
         return int(f(*args, **kwargs, out_val=node.meta.get("val")))
     except (TypeError, ValueError, RuntimeError, AttributeError):
         return 0  # symbolic sizes, or a formula that cannot read these args
+
+
+def allow_side_effects_under_checkpoint() -> bool:
+    """Let Dynamo trace Python side effects inside ``torch.utils.checkpoint``
+    regions instead of graph-breaking at every one: graphcomp's gather-scope hooks
+    write the open scope (``SESSION.scopes``) when a module's forward starts and
+    remove it when it ends, and that write made every checkpointed block of a
+    sharded model a graph break. ``torch._dynamo.config.
+    skip_fwd_side_effects_in_bwd_under_checkpoint`` (2.11 and 2.13) applies such
+    side effects once, after the forward, and does not replay them during the
+    backward's recomputation (eager checkpointing replays them; the scope's are
+    balanced inside the region, so nothing is left to replay). Returns whether the
+    flag exists (False: checkpointed blocks keep graph-breaking)."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    if not hasattr(dynamo_config, name):
+        return False
+    setattr(dynamo_config, name, True)
+    return True

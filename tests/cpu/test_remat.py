@@ -284,3 +284,71 @@ def test_end_to_end_bitwise(codegen, mode, ckpt):
     assert torch.equal(torch.stack(losses), torch.stack(ref_losses))
     for k in ref_params:
         assert torch.equal(params[k], ref_params[k]), k
+
+
+# ----------------------------------------- end to end: 2 gloo ranks, sharded + checkpoint
+def _train_sharded(rank, world, options, ckpt, steps=3):
+    """Sharded training of _Net (each rank its half of the batch); returns losses,
+    full parameters, counters and the remat records of every frame."""
+    import torch.distributed as dist
+
+    from graphcomp.sharding import full_state_dict
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+    torch.manual_seed(0)
+    m = _Net(ckpt=ckpt)
+    graphcomp.shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    cm = torch.compile(m, backend="graphcomp", options=options)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(128, 16, generator=torch.Generator().manual_seed(step))[rank::world]
+        loss = cm(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total)
+    recs = [p for f in graphcomp.frame_summaries() for p in f["stages"].get("joint", {}).get("passes", [])
+            if p["name"] == "remat"]
+    return losses, full_state_dict(m), dict(graphcomp.counters), recs
+
+
+def _sharded_runs(rank, world):
+    ckpt = (0, 1, 2, 3)
+    base = {"codegen": "eager", "bucket_bytes": 0}
+    out = {"off": _train_sharded(rank, world, {**base, "passes": {"remat": False}}, ckpt)}
+    probe = _train_sharded(rank, world, {**base, "remat": "auto", "memory_budget": 10**9}, ckpt)
+    counts = probe[3][0]["counts"]
+    tight = (counts["estimated_peak_before"] + counts["estimated_peak_after"]) // 2
+    out["auto_fits"] = probe
+    out["auto_tight"] = _train_sharded(rank, world, {**base, "remat": "auto", "memory_budget": tight}, ckpt)
+    out["respect_tight"] = _train_sharded(
+        rank, world, {**base, "remat": "respect_user", "memory_budget": counts["estimated_peak_before"] - 4096}, (1, 3))
+    out["respect_off"] = _train_sharded(rank, world, {**base, "passes": {"remat": False}}, (1, 3))
+    return out
+
+
+def test_sharded_2ranks_checkpoint_bitwise_and_one_frame(tmp_path):
+    """2 gloo ranks, graphcomp.shard + torch.utils.checkpoint on every block: one
+    compiled frame (no graph break at the checkpointed blocks), and remat under
+    "auto" / "respect_user" is bitwise the unrewritten run, on every rank."""
+    from _dist import run_distributed
+
+    results = run_distributed(_sharded_runs, 2, timeout=600)
+    for out in results:
+        for name, (losses, params, counters, recs) in out.items():
+            assert counters["frames_compiled"] == 1, (name, counters)
+            ref = out["respect_off"] if name.startswith("respect") else out["off"]
+            assert torch.equal(torch.stack(losses), torch.stack(ref[0])), name
+            for k in ref[1]:
+                assert torch.equal(params[k], ref[1][k]), (name, k)
+        assert out["auto_fits"][2]["user_checkpoint_saved"] > 0
+        assert out["auto_tight"][2]["activations_recomputed"] > 0
+        assert out["auto_tight"][2]["user_checkpoint_saved"] > 0
+        assert out["respect_tight"][2]["activations_recomputed"] > 0
+    # the same plan on both ranks
+    for name in results[0]:
+        assert [r["counts"] for r in results[0][name][3]] == [r["counts"] for r in results[1][name][3]], name
