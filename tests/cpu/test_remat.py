@@ -352,3 +352,24 @@ def test_sharded_2ranks_checkpoint_bitwise_and_one_frame(tmp_path):
     # the same plan on both ranks
     for name in results[0]:
         assert [r["counts"] for r in results[0][name][3]] == [r["counts"] for r in results[1][name][3]], name
+
+
+def test_inspect_shows_the_decision(tmp_path, capsys):
+    from graphcomp import cli
+    from graphcomp.inspect_html import render_html
+
+    _, _, probe, _ = _train({"codegen": "eager", "remat": "auto", "memory_budget": 10**9}, (0, 1, 2, 3), steps=1)
+    c = probe["counts"]
+    tight = (c["estimated_peak_before"] + c["estimated_peak_after"]) // 2
+    _, _, rec, _ = _train({"codegen": "eager", "remat": "auto", "memory_budget": tight, "dump_dir": str(tmp_path)},
+                          (0, 1, 2, 3), steps=1)
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "est. peak planned" in out and "user regions" in out
+    from graphcomp.inspect_dumps import _fmt_bytes
+
+    row = next(line for line in out.splitlines() if line.startswith("joint") and _fmt_bytes(tight) in line)
+    assert f"{rec['counts']['recomputed']:g} ({_fmt_bytes(rec['counts']['recomputed_bytes'])})" in row
+    assert f"{rec['counts']['user_kept']:g} saved" in row
+    page = render_html(tmp_path)
+    assert "remat: saved activations kept / recomputed" in page and _fmt_bytes(tight) in page
