@@ -373,3 +373,14 @@ def test_inspect_shows_the_decision(tmp_path, capsys):
     assert f"{rec['counts']['user_kept']:g} saved" in row
     page = render_html(tmp_path)
     assert "remat: saved activations kept / recomputed" in page and _fmt_bytes(tight) in page
+
+
+def test_readme_example_runs_and_prints_what_it_says(capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    sec = text[text.index("### Memory-budgeted rematerialization"):]
+    code, printed = re.findall(r"```python\n(.*?)```.*?```\n(.*?)```", sec, re.S)[0]
+    exec(compile(code, "README.md (remat example)", "exec"), {"__name__": "readme_remat"})
+    assert capsys.readouterr().out == printed
