@@ -206,14 +206,46 @@ def partitioner_saves(node: fx.Node) -> bool:
 
 
 class _Model:
-    """The memory model of the joint graph under a set of recomputed nodes."""
+    """The memory model of the joint graph under a set of recomputed nodes,
+    incremental: the lifetimes of the graph with nothing recomputed are computed
+    once (``memory.Lifetimes``); a set re-derives only the storages it touches (its
+    nodes' and their inputs'), so a trial costs one pass over the positions, not a
+    walk of the graph."""
 
     def __init__(self, gm: fx.GraphModule, bwd: set[fx.Node]):
-        self.gm, self.bwd = gm, bwd
+        self.lt = memory.Lifetimes(gm, bwd)
+        nodes, live, size = self.lt.intervals()
+        self.live, self.size = live, size
+        self.delta = [0] * (len(nodes) + 1)
+        for r, ivs in live.items():
+            for s, e in ivs:
+                self.delta[s] += size[r]
+                self.delta[e + 1] -= size[r]
+        self.inputs = sum(memory.value_bytes(n) for n in nodes if n.op == "placeholder")
 
     def timeline(self, recompute: list[fx.Node]) -> tuple[list[int], memory.MemoryEstimate]:
-        nodes, live, size = memory.intervals(self.gm, bwd=self.bwd, recompute=recompute)
-        return memory._timeline_from(nodes, live, size), memory._estimate_from(nodes, live, size)
+        lt = self.lt
+        points = lt.points(recompute)
+        extra = lt.extra_uses(points)
+        reshard = {lt.roots[n] for n in points}
+        delta = list(self.delta)
+        for r in reshard | set(extra):  # (sums: the order of the set does not matter)
+            b = self.size[r]
+            for s, e in self.live[r]:
+                delta[s] -= b
+                delta[e + 1] += b
+            for s, e in lt.live_of(r, lt.uses[r] + extra.get(r, []), reshard, points):
+                delta[s] += b
+                delta[e + 1] -= b
+        tl, acc = [], 0
+        for d in delta[:-1]:
+            acc += d
+            tl.append(acc)
+        if not tl:
+            return tl, memory.MemoryEstimate(0, "", -1, 0, 0)
+        peak = max(tl)
+        i = tl.index(peak)
+        return tl, memory.MemoryEstimate(peak, lt.nodes[i].name, i, self.inputs, len(tl))
 
 
 def plan(gm: fx.GraphModule, budget: int, mode: str) -> RematPlan:
