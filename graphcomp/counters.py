@@ -48,7 +48,8 @@ class Counters(Mapping):
     gathers_resharded: int = 0
     """Gathers schedule_free tagged to be freed after forward and re-gathered in backward."""
     activations_recomputed: int = 0
-    """Saved activations remat tagged to be recomputed in backward (to fit memory_budget)."""
+    """Saved activations remat's plan recomputes in backward to fit memory_budget (its additions; under
+    remat="auto" also the user-region activations it left recomputed)."""
     user_checkpoint_saved: int = 0
     """Activations of user torch.utils.checkpoint regions that remat (remat="auto") saved instead of recomputing."""
     memory_budget_infeasible: int = 0

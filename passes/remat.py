@@ -81,6 +81,7 @@ class Candidate:
 
     node: fx.Node
     group: tuple[fx.Node, ...]
+    aliases: tuple[fx.Node, ...]
     nbytes: int
     seconds: float
     flops: int
@@ -96,15 +97,26 @@ class Candidate:
 
 @dataclass
 class RematPlan:
-    """What :func:`plan` decided: the chosen recomputes (graph order), the
-    estimates with the plan as tagged on entry and with the chosen one, and why the
-    budget is infeasible (None if it is met)."""
+    """What :func:`plan` decided. ``chosen``: the candidates the backward recomputes
+    (graph order; under ``"auto"`` including the user-region ones still
+    recomputed); ``tag``: the nodes to tag MUST_RECOMPUTE; ``clear``: user-region
+    nodes whose tags are dropped (saved); the estimates with the tags as on entry
+    and as planned; why the budget is infeasible (None if it is met); and where the
+    plan started (``"saved"``: every activation saved; ``"user"``: the user's
+    checkpointing)."""
 
     candidates: list[Candidate]
     chosen: list[Candidate]
+    tag: list[fx.Node]
+    clear: list[fx.Node]
     before: memory.MemoryEstimate
     after: memory.MemoryEstimate
     infeasible: str | None = None
+    start: str = "saved"
+
+    @property
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.chosen)
 
 
 def recompute_seconds(node: fx.Node) -> tuple[float, int]:
@@ -191,7 +203,7 @@ def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str) -> list[Candida
         lo = max(fw) + 1 if fw else idx[n]
         cost = [recompute_seconds(m) for m in unit]
         tagged = tuple(g for m in unit for g in info[m][0])
-        out.append(Candidate(n, tagged, nbytes, sum(c[0] for c in cost), sum(c[1] for c in cost), idx[n], lo,
+        out.append(Candidate(n, tagged, tuple(group), nbytes, sum(c[0] for c in cost), sum(c[1] for c in cost), idx[n], lo,
                              min(bw) - 2, _compat.is_user_checkpoint(n)))
     return out
 
@@ -206,37 +218,35 @@ def partitioner_saves(node: fx.Node) -> bool:
 
 
 class _Model:
-    """The memory model of the joint graph under a set of recomputed nodes,
-    incremental: the lifetimes of the graph with nothing recomputed are computed
-    once (``memory.Lifetimes``); a set re-derives only the storages it touches (its
-    nodes' and their inputs'), so a trial costs one pass over the positions, not a
-    walk of the graph."""
+    """The memory model of the joint graph under a set of recomputed nodes, kept
+    incrementally. The lifetimes with nothing recomputed are computed once
+    (``memory.Lifetimes``). :meth:`reset` sets a current set (one full pass);
+    :meth:`trial` evaluates another set against it, re-deriving only what the
+    difference touches: the nodes added or removed and their recomputed
+    ancestors (whose recompute points may move), and the storages of those and of
+    their inputs; :meth:`accept` makes a trial current. A trial costs one pass over
+    the positions (the prefix sum), not a walk of the graph; the result is the same
+    as ``memory.intervals(recompute=...)`` (tested)."""
 
     def __init__(self, gm: fx.GraphModule, bwd: set[fx.Node]):
-        self.lt = memory.Lifetimes(gm, bwd)
-        nodes, live, size = self.lt.intervals()
-        self.live, self.size = live, size
-        self.delta = [0] * (len(nodes) + 1)
-        for r, ivs in live.items():
-            for s, e in ivs:
-                self.delta[s] += size[r]
-                self.delta[e + 1] -= size[r]
+        lt = self.lt = memory.Lifetimes(gm, bwd)
+        nodes, live, size = lt.intervals()
+        self.base_live, self.size = live, size
+        self.members: dict[fx.Node, list[fx.Node]] = {}  # root -> the nodes on its storage
+        self.readers: dict[fx.Node, list[fx.Node]] = {}  # root -> the nodes that take it as an input
+        for n in nodes:
+            self.members.setdefault(lt.roots[n], []).append(n)
+            for a in n.all_input_nodes:
+                self.readers.setdefault(lt.roots[a], []).append(n)
         self.inputs = sum(memory.value_bytes(n) for n in nodes if n.op == "placeholder")
+        self.reset([])
 
-    def timeline(self, recompute: list[fx.Node]) -> tuple[list[int], memory.MemoryEstimate]:
-        lt = self.lt
-        points = lt.points(recompute)
-        extra = lt.extra_uses(points)
-        reshard = {lt.roots[n] for n in points}
-        delta = list(self.delta)
-        for r in reshard | set(extra):  # (sums: the order of the set does not matter)
-            b = self.size[r]
-            for s, e in self.live[r]:
-                delta[s] -= b
-                delta[e + 1] += b
-            for s, e in lt.live_of(r, lt.uses[r] + extra.get(r, []), reshard, points):
-                delta[s] += b
-                delta[e + 1] -= b
+    def _live(self, r: fx.Node, pts: dict[fx.Node, int]) -> list[tuple[int, int]]:
+        extra = [pts[u] for u in self.readers.get(r, ()) if u in pts]
+        resh = {r} if any(m in pts for m in self.members[r]) else set()
+        return self.lt.live_of(r, self.lt.uses[r] + extra, resh, pts)
+
+    def _estimate(self, delta: list[int]) -> tuple[list[int], memory.MemoryEstimate]:
         tl, acc = [], 0
         for d in delta[:-1]:
             acc += d
@@ -245,23 +255,76 @@ class _Model:
             return tl, memory.MemoryEstimate(0, "", -1, 0, 0)
         peak = max(tl)
         i = tl.index(peak)
-        return tl, memory.MemoryEstimate(peak, lt.nodes[i].name, i, self.inputs, len(tl))
+        return tl, memory.MemoryEstimate(peak, self.lt.nodes[i].name, i, self.inputs, len(tl))
+
+    def reset(self, recompute: list[fx.Node]) -> tuple[list[int], memory.MemoryEstimate]:
+        """Make ``recompute`` the current set (a full evaluation)."""
+        lt = self.lt
+        self.R = set(recompute)
+        self.points = lt.points(self.R)
+        self.live = dict(self.base_live)
+        for r in {lt.roots[n] for n in self.points} | {lt.roots[a] for n in self.points for a in n.all_input_nodes}:
+            self.live[r] = self._live(r, self.points)
+        self.delta = [0] * (len(lt.nodes) + 1)
+        for r, ivs in self.live.items():
+            for s, e in ivs:
+                self.delta[s] += self.size[r]
+                self.delta[e + 1] -= self.size[r]
+        self.state = (self.R, self.points, {}, self.delta)
+        return self._estimate(self.delta)
+
+    def trial(self, recompute: list[fx.Node]) -> tuple[list[int], memory.MemoryEstimate]:
+        """Evaluate ``recompute`` against the current set (:meth:`accept` keeps it)."""
+        lt, idx, bwd = self.lt, self.lt.idx, self.lt.bwd
+        new = set(recompute)
+        diff = self.R ^ new
+        # the changed nodes and their recomputed ancestors: their recompute points may move
+        z, todo = set(diff), list(diff)
+        while todo:
+            for a in todo.pop().all_input_nodes:
+                if a in new and a not in z:
+                    z.add(a)
+                    todo.append(a)
+        pts = {n: p for n, p in self.points.items() if n not in z}
+        for n in sorted((n for n in z if n in new and n not in bwd), key=idx.__getitem__, reverse=True):
+            ps = [idx[u] for u in n.users if u in bwd] + [pts[u] for u in n.users if u in pts]
+            if ps:
+                pts[n] = min(ps)
+        affected = {lt.roots[n] for n in z} | {lt.roots[a] for n in z for a in n.all_input_nodes}
+        delta = list(self.delta)
+        changed = {}
+        for r in affected:  # (sums: the order of the set does not matter)
+            if r not in self.live:
+                continue  # the output node
+            ivs = self._live(r, pts)
+            changed[r] = ivs
+            b = self.size[r]
+            for s, e in self.live[r]:
+                delta[s] -= b
+                delta[e + 1] += b
+            for s, e in ivs:
+                delta[s] += b
+                delta[e + 1] -= b
+        self.state = (new, pts, changed, delta)
+        return self._estimate(delta)
+
+    def accept(self) -> None:
+        """Make the last :meth:`trial` the current set."""
+        self.R, self.points, changed, self.delta = self.state
+        self.live.update(changed)
 
 
-def plan(gm: fx.GraphModule, budget: int, mode: str) -> RematPlan:
-    """Choose the activations to recompute (module docstring: the greedy policy)."""
-    bwd = memory.backward_nodes(gm)
-    model = _Model(gm, bwd)
-    tagged = [n for n in gm.graph.nodes if _compat.must_recompute(n) and not partitioner_saves(n)]
-    _, before = model.timeline(tagged)
-    fixed = [n for n in tagged if not (mode == "auto" and _compat.is_user_checkpoint(n))]
-    cands = candidates(gm, bwd, mode)
+def _add_recomputes(model: _Model, fixed: list[fx.Node], cands: list[Candidate], budget: int
+                    ) -> tuple[list[Candidate], memory.MemoryEstimate, str | None]:
+    """The greedy (module docstring): from ``fixed`` recomputed, add candidates
+    until the estimate is under ``budget``, then prune. (chosen, estimate, reason
+    the budget is infeasible or None)."""
     chosen: list[Candidate] = []
 
     def rset(cs: list[Candidate]) -> list[fx.Node]:
         return fixed + [g for c in cs for g in c.group]
 
-    tl, est = model.timeline(rset(chosen))
+    tl, est = model.reset(rset(chosen))
     order = sorted(cands, key=lambda c: (-c.ratio, c.index))
     tried: set[int] = set()
     infeasible = None
@@ -274,18 +337,65 @@ def plan(gm: fx.GraphModule, budget: int, mode: str) -> RematPlan:
                           f"recomputed and no candidate left that frees memory there")
             break
         tried.add(c.index)
-        t_tl, t_est = model.timeline(rset(chosen + [c]))
+        t_tl, t_est = model.trial(rset(chosen + [c]))
         if t_est.peak_bytes < est.peak_bytes or (t_est.peak_bytes == est.peak_bytes and t_tl[p] < tl[p]):
+            model.accept()
             chosen.append(c)
             tl, est = t_tl, t_est
     if infeasible is None:  # prune what the budget no longer needs, costliest per byte first
         for c in sorted(chosen, key=lambda c: (c.ratio, -c.index)):
             rest = [x for x in chosen if x is not c]
-            t_tl, t_est = model.timeline(rset(rest))
+            t_tl, t_est = model.trial(rset(rest))
             if t_est.peak_bytes <= budget:
+                model.accept()
                 chosen, tl, est = rest, t_tl, t_est
     chosen.sort(key=lambda c: c.index)
-    return RematPlan(cands, chosen, before, est, infeasible)
+    return chosen, est, infeasible
+
+
+def plan(gm: fx.GraphModule, budget: int, mode: str) -> RematPlan:
+    """Choose the activations to recompute (module docstring: the policy)."""
+    bwd = memory.backward_nodes(gm)
+    model = _Model(gm, bwd)
+    tagged = [n for n in gm.graph.nodes if _compat.must_recompute(n) and not partitioner_saves(n)]
+    _, before = model.reset(tagged)
+    respect = candidates(gm, bwd, "respect_user")
+    chosen, est, infeasible = _add_recomputes(model, tagged, respect, budget)
+    user_plan = RematPlan(respect, chosen, [g for c in chosen for g in c.group], [], before, est, infeasible, "user")
+    users = [n for n in gm.graph.nodes if _compat.is_user_checkpoint(n)]
+    if mode != "auto" or not users:
+        return user_plan
+    # "auto" (a): from every activation saved, recompute what the budget needs
+    fixed = [n for n in tagged if not _compat.is_user_checkpoint(n)]
+    cands = candidates(gm, bwd, "auto")
+    chosen, est, infeasible = _add_recomputes(model, fixed, cands, budget)
+    saved_plan = RematPlan(cands, chosen, [g for c in chosen for g in c.group], users, before, est, infeasible)
+    if user_plan.infeasible is None:
+        # "auto" (b): from the user's checkpointing (it fits), save user-region activations while
+        # the budget holds, the costliest to recompute per byte first
+        rec = tagged + user_plan.tag
+        user_cands = sorted((c for c in cands if c.user), key=lambda c: (c.ratio, c.index))
+        saved: list[Candidate] = []
+        _, est = model.reset(rec)
+        for c in user_cands:
+            drop = set(c.aliases)
+            trial = [n for n in rec if n not in drop]
+            _, t_est = model.trial(trial)
+            if t_est.peak_bytes <= budget:
+                model.accept()
+                rec, est = trial, t_est
+                saved.append(c)
+        saved_ids = {c.index for c in saved}
+        still = [c for c in user_cands if c.index not in saved_ids] + user_plan.chosen
+        still.sort(key=lambda c: c.index)
+        b_plan = RematPlan(cands, still, user_plan.tag, [g for c in saved for g in c.aliases], before, est, None,
+                           "user")
+        if saved_plan.infeasible is None and saved_plan.seconds < b_plan.seconds:
+            return saved_plan
+        return b_plan
+    if saved_plan.infeasible is None or saved_plan.after.peak_bytes < user_plan.after.peak_bytes:
+        return saved_plan
+    return user_plan
 
 
 def _fmt(c: Candidate) -> str:
@@ -304,7 +414,7 @@ def remat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     p = plan(gm, budget, mode)
     Policy = _compat.checkpoint_policy()
     users = [n for n in gm.graph.nodes if _compat.is_user_checkpoint(n)]
-    cand_user = [c for c in p.candidates if c.user]
+    cleared = set(p.clear)
     chosen_ids = {c.index for c in p.chosen}
     ctx.count("budget_bytes", budget)
     ctx.count("estimated_peak_before", p.before.peak_bytes)
@@ -317,7 +427,8 @@ def remat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ctx.count("recompute_flops", sum(c.flops for c in p.chosen))
     ctx.count("recompute_us", round(sum(c.seconds for c in p.chosen) * 1e6, 1))
     if mode == "auto" and users:
-        user_kept = [c for c in cand_user if c.index not in chosen_ids]
+        ctx.count("plan_from_user_checkpointing", int(p.start == "user"))
+        user_kept = [c for c in p.candidates if c.user and c.node in cleared and c.index not in chosen_ids]
         ctx.count("user_kept", len(user_kept))
         ctx.count("user_kept_bytes", sum(c.nbytes for c in user_kept))
         ctx.counter("user_checkpoint_saved", len(user_kept))
@@ -336,17 +447,15 @@ def remat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                f"({sum(c.nbytes for c in p.chosen)} B); estimated joint peak {p.before.peak_bytes} -> "
                f"{p.after.peak_bytes} B, budget {budget} B")
     log.info("graphcomp remat (frame %s, remat=%r): %s", ctx.frame_id, mode, summary)
-    if not p.chosen and not (mode == "auto" and users):
+    if not p.tag and not p.clear:
         if p.infeasible is not None:
             return ctx.unchanged(gm, "no recompute lowers the estimated peak: " + p.infeasible)
         return ctx.unchanged(gm, f"estimated joint peak {p.before.peak_bytes} B is under memory_budget={budget} B "
                                  "with the tags as they are: nothing to recompute")
-    if mode == "auto":
-        for n in users:  # candidates, not orders: saved unless chosen below
-            _compat.clear_recompute(n)
-            n.meta.pop("ac_graph_id", None)
-    for c in p.chosen:
-        for g in c.group:
-            g.meta["recompute"] = Policy.MUST_RECOMPUTE
+    for n in p.clear:  # user regions under "auto": candidates, not orders
+        _compat.clear_recompute(n)
+        n.meta.pop("ac_graph_id", None)
+    for n in p.tag:
+        n.meta["recompute"] = Policy.MUST_RECOMPUTE
     ctx.counter("activations_recomputed", len(p.chosen))
     return ctx.changed(gm, summary)

@@ -384,3 +384,25 @@ def test_readme_example_runs_and_prints_what_it_says(capsys):
     code, printed = re.findall(r"```python\n(.*?)```.*?```\n(.*?)```", sec, re.S)[0]
     exec(compile(code, "README.md (remat example)", "exec"), {"__name__": "readme_remat"})
     assert capsys.readouterr().out == printed
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), min_size=1, max_size=12))
+def test_incremental_model_matches_the_full_one(steps):
+    """_Model.trial/accept (what the planner uses) gives the timeline of
+    memory.intervals(recompute=...) for any sequence of adds and removes."""
+    from graphcomp.passes.remat import _Model
+
+    gm = _joint(ACTS, WIDTHS)
+    bwd = memory.backward_nodes(gm)
+    cs = candidates(gm, bwd, "respect_user")
+    model = _Model(gm, bwd)
+    cur: list = []
+    for add, k in steps:
+        c = cs[k % len(cs)]
+        new = cur + [g for g in c.group if g not in cur] if add else [g for g in cur if g not in c.group]
+        tl, est = model.trial(new)
+        assert tl == memory.timeline(gm, recompute=new) and est == memory.estimate(gm, recompute=new)
+        if k % 3:
+            model.accept()
+            cur = new
