@@ -40,8 +40,20 @@ untried candidate whose saved interval covers the current peak position, and kee
 it if the peak (or the memory at that position, on a plateau) drops. Then prune:
 in worst-ranked-first order, drop any chosen recompute the budget no longer needs.
 Each candidate is tried at most once, so the pass ends after O(candidates)
-memory estimates (each linear in the graph). Ties go to graph order, and nothing
+trials; a trial re-derives only the storages it touches plus one prefix sum over
+the graph (a 7.8k-node joint graph, 91 recomputes: 0.3 s on a CPU core). Ties go to graph order, and nothing
 iterates a set of nodes: every rank computes the same plan.
+
+Under ``remat="auto"`` with user checkpoint regions the pass plans from two
+starting points and keeps the better: (a) every activation saved, then the greedy
+above over all candidates (user-region ones included); (b) the user's
+checkpointing (plus the greedy over the other candidates if it is over budget),
+then user-region activations saved one by one, costliest to recompute per byte
+first, while the estimate stays under the budget. Of the plans that meet the
+budget it takes the one with less modelled recompute time; if neither does, the
+one with the lower peak (ties: the user's), so "auto" never plans a higher peak
+than the user's checkpointing. (a) alone can end above the user's plan: one
+recompute at a time, it cannot find a whole block recomputed from its input.
 
 If the budget cannot be met (over it with every candidate that helps
 recomputed), the pass keeps those recomputes (least memory it found), logs a
