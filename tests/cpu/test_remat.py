@@ -406,3 +406,60 @@ def test_incremental_model_matches_the_full_one(steps):
         if k % 3:
             model.accept()
             cur = new
+
+
+def test_memory_budget_auto_is_a_fraction_of_cuda_memory(monkeypatch):
+    gm = _joint(ACTS, WIDTHS)
+    assert memory.resolve_budget("auto", gm) is None  # CPU: no budget
+    monkeypatch.setattr(_compat, "device_memory_bytes", lambda dev: 1000)
+    assert memory.resolve_budget("auto", gm) == 900  # config.AUTO_BUDGET_FRACTION
+
+
+def _tag_user_regions(gm, layers):
+    """Mark the forward compute of the chosen layers as a user checkpoint region
+    would (PREFER_RECOMPUTE + ac_graph_id), one region per layer; layer k = the
+    k-th matmul and what follows it up to the next matmul."""
+    P = _compat.checkpoint_policy()
+    bwd = memory.backward_nodes(gm)
+    layer = -1
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n in bwd:
+            continue
+        if n.target is aten.mm.default and not any(a.op == "placeholder" and a.name.startswith("tangents")
+                                                   for a in n.all_input_nodes):
+            if all(a.op == "placeholder" or a.target is not aten.t.default for a in n.all_input_nodes):
+                layer += 1
+        if layer in layers and n.target is not aten.t.default and not n.name.startswith("sum"):
+            n.meta["recompute"], n.meta["ac_graph_id"] = P.PREFER_RECOMPUTE, layer + 1
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    widths=st.lists(st.sampled_from([16, 32, 64]), min_size=3, max_size=5),
+    layers=st.sets(st.integers(0, 3), min_size=1),
+    frac=st.floats(0.7, 1.3),
+)
+def test_auto_policy_properties(widths, layers, frac):
+    """remat="auto" over user regions: the budget is met when the plan says so; it
+    never plans a higher peak than the user's checkpointing; it saves every
+    activation when everything fits; the same plan from two traces."""
+    acts = [torch.tanh] * (len(widths) - 1)
+    gm = _joint(acts, widths)
+    _tag_user_regions(gm, layers)
+    if not any(_compat.is_user_checkpoint(n) for n in gm.graph.nodes):
+        return
+    user = plan(gm, 10**12, "respect_user").before.peak_bytes  # the user's checkpointing, as tagged
+    budget = max(1, int(user * frac))
+    p = plan(gm, budget, "auto")
+    event(f"start={p.start}, feasible={p.infeasible is None}, recomputed={len(p.chosen)}")
+    if p.infeasible is None:
+        assert p.after.peak_bytes <= budget
+    assert p.after.peak_bytes <= max(budget, user)
+    all_saved = memory.estimate(gm).peak_bytes
+    if budget >= all_saved:
+        assert p.chosen == [] and p.tag == []
+    gm2 = _joint(acts, widths)
+    _tag_user_regions(gm2, layers)
+    p2 = plan(gm2, budget, "auto")
+    assert [n.name for n in p2.tag] == [n.name for n in p.tag]
+    assert [n.name for n in p2.clear] == [n.name for n in p.clear]
