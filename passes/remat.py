@@ -215,8 +215,8 @@ def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str) -> list[Candida
         lo = max(fw) + 1 if fw else idx[n]
         cost = [recompute_seconds(m) for m in unit]
         tagged = tuple(g for m in unit for g in info[m][0])
-        out.append(Candidate(n, tagged, tuple(group), nbytes, sum(c[0] for c in cost), sum(c[1] for c in cost), idx[n], lo,
-                             min(bw) - 2, _compat.is_user_checkpoint(n)))
+        out.append(Candidate(n, tagged, tuple(group), nbytes, sum(c[0] for c in cost), sum(c[1] for c in cost),
+                             idx[n], lo, min(bw) - 2, _compat.is_user_checkpoint(n)))
     return out
 
 
@@ -411,7 +411,8 @@ def plan(gm: fx.GraphModule, budget: int, mode: str) -> RematPlan:
 
 
 def _fmt(c: Candidate) -> str:
-    return f"{c.node.name} ({gu.op_name(c.node)}, {c.nbytes} B, {c.seconds * 1e6:.1f} us{', user region' if c.user else ''})"
+    where = ", user region" if c.user else ""
+    return f"{c.node.name} ({gu.op_name(c.node)}, {c.nbytes} B, {c.seconds * 1e6:.1f} us{where})"
 
 
 @register_pass("remat", stages=("joint",), after=("schedule_free",))
