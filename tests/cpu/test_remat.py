@@ -176,7 +176,7 @@ def test_config_validation():
 
 
 # ----------------------------------------------------------------- hypothesis
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     widths=st.lists(st.sampled_from([8, 16, 32, 64]), min_size=3, max_size=6),
     act_ids=st.lists(st.integers(0, 3), min_size=5, max_size=5),
@@ -433,7 +433,7 @@ def _tag_user_regions(gm, layers):
             n.meta["recompute"], n.meta["ac_graph_id"] = P.PREFER_RECOMPUTE, layer + 1
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     widths=st.lists(st.sampled_from([16, 32, 64]), min_size=3, max_size=5),
     layers=st.sets(st.integers(0, 3), min_size=1),
