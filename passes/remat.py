@@ -220,6 +220,21 @@ def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str) -> list[Candida
     return out
 
 
+def backward_region(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes the partitioner runs in the backward: those that depend on a
+    tangent (``memory.backward_nodes``) and those read only by such nodes (a
+    backward formula's tangent-free part, e.g. gelu's ``x * x``, or a view of a
+    saved value), placed after the first tangent-dependent node. A forward value read
+    by this region is saved for the backward."""
+    out = memory.backward_nodes(gm)
+    nodes = list(gm.graph.nodes)
+    first = next((i for i, n in enumerate(nodes) if n in out and n.op != "placeholder"), len(nodes))
+    for n in reversed(nodes[first:]):  # (placed in the backward part of the graph order)
+        if n not in out and n.op == "call_function" and n.users and all(u in out for u in n.users):
+            out.add(n)
+    return out
+
+
 def partitioner_saves(node: fx.Node) -> bool:
     """A recompute-tagged node the partitioner saves anyway: the output of one user
     checkpoint region read by a recomputed node of a later region
@@ -367,7 +382,7 @@ def _add_recomputes(model: _Model, fixed: list[fx.Node], cands: list[Candidate],
 
 def plan(gm: fx.GraphModule, budget: int, mode: str) -> RematPlan:
     """Choose the activations to recompute (module docstring: the policy)."""
-    bwd = memory.backward_nodes(gm)
+    bwd = backward_region(gm)
     model = _Model(gm, bwd)
     tagged = [n for n in gm.graph.nodes if _compat.must_recompute(n) and not partitioner_saves(n)]
     _, before = model.reset(tagged)
@@ -402,7 +417,7 @@ def plan(gm: fx.GraphModule, budget: int, mode: str) -> RematPlan:
         still.sort(key=lambda c: c.index)
         b_plan = RematPlan(cands, still, user_plan.tag, [g for c in saved for g in c.aliases], before, est, None,
                            "user")
-        if saved_plan.infeasible is None and saved_plan.seconds < b_plan.seconds:
+        if saved_plan.infeasible is None and saved_plan.seconds <= b_plan.seconds:
             return saved_plan
         return b_plan
     if saved_plan.infeasible is None or saved_plan.after.peak_bytes < user_plan.after.peak_bytes:
