@@ -33,7 +33,10 @@ Model (deterministic: it reads only the graph, so every rank computes the same):
 ``estimate(gm)`` gives the peak and the node where it occurs. For the joint
 graph, ``reshard=`` models ``schedule_free``: the listed storages are freed after
 their last forward use and allocated again just before their first backward use
-(the partitioner recomputes them there).
+(the partitioner recomputes them there). ``recompute=`` models ``remat``'s tags:
+recomputed nodes are freed the same way, and their inputs are read again where the
+backward recomputes them. :class:`Lifetimes` holds the part that does not depend
+on either, for planners that try many recompute sets.
 """
 
 from __future__ import annotations
