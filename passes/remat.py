@@ -13,13 +13,15 @@ which AOTAutograd's min-cut partitioner obeys::
 
 **What is a candidate.** A forward node that owns its storage (views, ``getitem``
 and ``wait_tensor`` follow their base and are tagged with it), is read by the
-backward (directly or through its views), is not returned by the graph, has a
+backward (directly or through its views; "the backward" is ``backward_region``:
+the tangent-dependent nodes and the tangent-free ones only they read), is not
+returned by the graph, has a
 deterministic aten/prims op (no random op; attention kernels only without
 dropout), writes no input, and is no collective. Nodes already tagged stay as
 they are (``schedule_free``'s gathers; selective-checkpoint ``MUST_SAVE``), except
-user ``torch.utils.checkpoint`` regions under ``Config.remat="auto"``: their tags
-are dropped and their nodes become candidates like any other (the region's
-``ac_graph_id`` goes too, so the partitioner's region-boundary rule does not
+user ``torch.utils.checkpoint`` regions under ``Config.remat="auto"``: their nodes
+become candidates like any other, and a user-region node the plan saves loses its
+tag and its ``ac_graph_id`` (so the partitioner's region-boundary rule does not
 override the plan). Under ``"respect_user"`` they stay recomputed as written.
 
 **Cost model** (the same on every rank: it reads only shapes and the config).
@@ -41,8 +43,9 @@ it if the peak (or the memory at that position, on a plateau) drops. Then prune:
 in worst-ranked-first order, drop any chosen recompute the budget no longer needs.
 Each candidate is tried at most once, so the pass ends after O(candidates)
 trials; a trial re-derives only the storages it touches plus one prefix sum over
-the graph (a 7.8k-node joint graph, 91 recomputes: 0.3 s on a CPU core). Ties go to graph order, and nothing
-iterates a set of nodes: every rank computes the same plan.
+the graph (a 7.8k-node joint graph, 91 recomputes: 0.2-0.3 s on a CPU core). Ties
+go to graph order, and sets of nodes are iterated only for order-free sums and
+closures: every rank computes the same plan.
 
 Under ``remat="auto"`` with user checkpoint regions the pass plans from two
 starting points and keeps the better: (a) every activation saved, then the greedy
