@@ -5,7 +5,8 @@ API moves, this is the only file to change. Everything else imports from here.
 
 (Longer than graphcomp's ~500-line guideline on purpose: the point of the module is
 that every private API sits in one file; it is a flat list of small adapters, each
-with its version notes, and imports nothing of graphcomp.)
+with its version notes, and imports nothing of graphcomp but its own topic parts,
+``_compat_<topic>.py``, re-exported here: ``_compat_remat`` (checkpoint tags, flops).)
 """
 
 from __future__ import annotations
@@ -314,17 +315,11 @@ def process_group_name(group: Any) -> str:
 
 
 # --------------------------------------------------- activation-checkpoint tags
-def checkpoint_policy() -> Any:
-    """``torch.utils.checkpoint.CheckpointPolicy`` (same enum in 2.11 and 2.13).
-
-    The min-cut partitioner reads ``node.meta["recompute"]``: MUST_RECOMPUTE (and
-    PREFER_RECOMPUTE) force a recompute in backward, MUST_SAVE bans it. Its
-    ``force_save_collectives`` tags every ``_c10d_functional`` node MUST_SAVE unless
-    it is already tagged recompute (identical in both versions), so a collective
-    is re-gathered in backward only when we tag it before partitioning."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy
+# (and flop formulas): in graphcomp/_compat_remat.py, re-exported here
+from ._compat_remat import (  # noqa: E402,F401
+    allow_side_effects_under_checkpoint, checkpoint_policy, clear_recompute, is_mutating, is_user_checkpoint, must_recompute, node_flops,
+    recompute_is_deterministic,
+)
 
 
 def device_memory_bytes(device: torch.device) -> int | None:

@@ -24,6 +24,10 @@ StaticCheck = Literal["first", "always"]
 AddressChange = Literal["error", "recapture"]
 OutputCopy = Literal["auto", "always"]
 LossKernels = Literal["inductor", "eager"]
+RematMode = Literal["respect_user", "auto"]
+
+AUTO_BUDGET_FRACTION = 0.9
+"""``memory_budget="auto"``: this fraction of the CUDA device's total memory."""
 
 
 @dataclass(kw_only=True)
@@ -60,15 +64,32 @@ class Config:
     (small gathers: latency-bound) while the estimated peak of the joint graph
     stays under ``memory_budget`` (without a budget, "auto" keeps everything)."""
 
-    memory_budget: int | float | None = None
+    memory_budget: int | float | Literal["auto"] | None = "auto"
     """Peak-memory budget for the scheduling passes: ``int`` bytes, or a ``float``
     in (0, 1] as a fraction of the device's memory (CUDA only; a fraction on a CPU
-    graph is a ValueError at compile time). Used by ``reshard_after_forward="auto"``
-    and to bound ``schedule_prefetch`` (a gather is not issued earlier when that
-    would push the estimated peak over it). A budget below the estimated peak with
-    everything resharded is infeasible: a warning is logged and recorded, every
-    parameter is resharded and prefetch is limited by ``prefetch_bytes`` only.
-    ``None``: no budget."""
+    graph is a ValueError at compile time). ``"auto"`` (default): 0.9
+    (``config.AUTO_BUDGET_FRACTION``) of the device's memory for CUDA graphs, no
+    budget for any other device (CPU memory is the host's). The budget bounds the
+    static estimate of one graph's peak (``graphcomp/memory.py``): memory held
+    outside the compiled graphs (optimizer state, other frames) is not in it, so
+    lower it when much lives outside. Used by ``remat`` (recompute activations until
+    the joint graph fits), ``reshard_after_forward="auto"`` and to bound
+    ``schedule_prefetch`` (a gather is not issued earlier when that would push the
+    estimated peak over it). A budget below the estimated peak with everything
+    resharded is infeasible: a warning is logged and recorded, every parameter is
+    resharded and prefetch is limited by ``prefetch_bytes`` only. ``None``: no budget."""
+
+    remat: RematMode = "respect_user"
+    """Pass ``remat``: what the memory-budgeted rematerialization may do with the
+    user's ``torch.utils.checkpoint`` regions. ``"respect_user"`` (default): they
+    are recomputed as written; graphcomp adds recomputation of other activations
+    only when the joint graph's estimated peak is over ``memory_budget``.
+    ``"auto"``: they are candidates, not orders: with a budget, graphcomp saves
+    every activation that fits and recomputes the ones cheapest to recompute per
+    byte until the estimate is under it (faster when memory is left; the estimate
+    does not see memory outside the graph, see ``memory_budget``). Without a budget
+    (CPU default) both modes leave every tag as it is. ``passes={"remat": False}``
+    switches the pass off."""
 
     prefetch_bytes: int = 128 * 2**20
     """Pass ``schedule_prefetch``: most bytes of all-gather outputs in flight
@@ -212,7 +233,7 @@ class Config:
             raise ValueError(f"Config.prefetch_bytes: must be >= 0, got {self.prefetch_bytes}")
         mb = self.memory_budget
         if isinstance(mb, bool):
-            raise ValueError(f"Config.memory_budget: expected int bytes, a float fraction in (0, 1] or None, got {mb!r}")
+            raise ValueError(f"Config.memory_budget: expected 'auto', int bytes, a float fraction in (0, 1] or None, got {mb!r}")
         if isinstance(mb, float) and not (0.0 < mb <= 1.0):
             raise ValueError(f"Config.memory_budget: a float is a fraction of device memory and must be in (0, 1], got {mb!r}")
         if isinstance(mb, int) and mb <= 0:

@@ -47,6 +47,11 @@ class Counters(Mapping):
     """Flat buckets made by bucket_collectives (all-gather and reduce-scatter)."""
     gathers_resharded: int = 0
     """Gathers schedule_free tagged to be freed after forward and re-gathered in backward."""
+    activations_recomputed: int = 0
+    """Saved activations remat's plan recomputes in backward to fit memory_budget (its additions; under
+    remat="auto" also the user-region activations it left recomputed)."""
+    user_checkpoint_saved: int = 0
+    """Activations of user torch.utils.checkpoint regions that remat (remat="auto") saved instead of recomputing."""
     memory_budget_infeasible: int = 0
     """Stage graphs whose estimated peak could not be brought under memory_budget."""
     lm_losses_chunked: int = 0

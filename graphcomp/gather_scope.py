@@ -29,6 +29,16 @@ property getters are never compiled as frames of their own (``_compat.
 skip_top_level_frames``): called from eager code (a module Dynamo gave up on, an
 eager loop) they run as Python. A read outside any forward of its module (user
 code reading ``model.lm_head.weight``) gathers on use.
+
+Inside a ``torch.utils.checkpoint`` region the traced pre-hook's scope write is a
+Python side effect, which Dynamo refuses under a checkpoint by default (a graph
+break at every checkpointed block). ``install`` turns on Dynamo's
+``skip_fwd_side_effects_in_bwd_under_checkpoint`` (``_compat.
+allow_side_effects_under_checkpoint``): the write is applied once, after the
+forward, not replayed by the backward's recomputation, and the post-hook removes
+it inside the same region anyway. For user code this means: Python side effects in
+checkpointed regions of a compiled, sharded model run once, as in any compiled
+code, not again during the backward as eager checkpointing would.
 """
 
 from __future__ import annotations
@@ -133,6 +143,9 @@ def install(module: nn.Module, infos: dict[str, Any]) -> None:
         # called from eager code, these run as Python: Dynamo would otherwise compile
         # each as a tiny frame of its own, in which is_compiling() is True
         _compat.skip_top_level_frames(pre_hook, post_hook, cached)
+        # the scope write/remove inside a torch.utils.checkpoint region is a side
+        # effect Dynamo refuses there by default: a graph break at every block
+        _compat.allow_side_effects_under_checkpoint()
         _SKIPPED.append(True)
     module.register_forward_pre_hook(pre_hook)
     module.register_forward_hook(post_hook, always_call=True)  # (an exception must not leave a stale scope)

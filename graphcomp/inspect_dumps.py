@@ -34,6 +34,34 @@ def _short(s: Any, n: int = 70) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
+REMAT_HEADER = ["stage", "budget", "est. peak as tagged", "est. peak planned", "recomputed", "kept",
+                "user regions", "recompute (model)", "note"]
+
+
+def remat_rows(frame: dict[str, Any]) -> list[list[str]]:
+    """One row per stage where the ``remat`` pass planned under a budget: what it
+    kept and recomputed (counts and bytes) and the estimated peak before/after."""
+    rows = []
+    for stage, st in frame.get("stages", {}).items():
+        for p in st.get("passes", []):
+            c = p.get("counts", {})
+            if p.get("name") != "remat" or "budget_bytes" not in c:
+                continue
+            if "user_kept" in c:
+                user = f"{c['user_kept']:g} saved ({_fmt_bytes(c.get('user_kept_bytes', 0))})"
+            elif "user_recomputed" in c:
+                user = f"{c['user_recomputed']:g} recomputed as written"
+            else:
+                user = "-"
+            note = "budget infeasible" if c.get("budget_infeasible") else ""
+            rows.append([stage, _fmt_bytes(c["budget_bytes"]), _fmt_bytes(c.get("estimated_peak_before", 0)),
+                         _fmt_bytes(c.get("estimated_peak_after", 0)),
+                         f"{c.get('recomputed', 0):g} ({_fmt_bytes(c.get('recomputed_bytes', 0))})",
+                         f"{c.get('kept', 0):g} ({_fmt_bytes(c.get('kept_bytes', 0))})", user,
+                         f"{c.get('recompute_us', 0):g} us", note])
+    return rows
+
+
 def format_frame(frame: dict[str, Any]) -> str:
     """One frame: a pass table per stage, then a collective table."""
     cs = frame.get("compile_seconds")
@@ -97,6 +125,10 @@ def format_frame(frame: dict[str, Any]) -> str:
     if mrow:
         out.append("")
         out.append(_table(mrow, ["stage", "est. peak", "est. peak (Inductor)", "where", "largest live there"]))
+    rrows = remat_rows(frame)
+    if rrows:
+        out.append("")
+        out.append(_table(rrows, REMAT_HEADER))
     parts = [(stage, p) for stage, st in frame.get("stages", {}).items() for p in st.get("partitions", [])]
     if parts:
         out.append("")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .dump import load_summaries
-from .inspect_dumps import _fmt_bytes
+from .inspect_dumps import REMAT_HEADER, _fmt_bytes, remat_rows
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1b1b;max-width:1200px}
@@ -179,6 +179,10 @@ def _memory(frame: dict[str, Any]) -> str:
             f"allocated-only {_e(_fmt_bytes(m.get('peak_bytes_allocated') or 0))}; Inductor model "
             f"{_e(_fmt_bytes(m.get('peak_bytes_inductor') or 0))}. Largest live there: {_e(big) or '-'}</p>")
         out.append(memory_svg(stage, m))
+    rows = remat_rows(frame)
+    if rows:
+        out.append("<h4>remat: saved activations kept / recomputed under memory_budget</h4>")
+        out.append(_table(REMAT_HEADER, rows, "remat"))
     return "".join(out) or '<p class="muted">(no memory estimates)</p>'
 
 

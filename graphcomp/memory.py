@@ -33,7 +33,10 @@ Model (deterministic: it reads only the graph, so every rank computes the same):
 ``estimate(gm)`` gives the peak and the node where it occurs. For the joint
 graph, ``reshard=`` models ``schedule_free``: the listed storages are freed after
 their last forward use and allocated again just before their first backward use
-(the partitioner recomputes them there).
+(the partitioner recomputes them there). ``recompute=`` models ``remat``'s tags:
+recomputed nodes are freed the same way, and their inputs are read again where the
+backward recomputes them. :class:`Lifetimes` holds the part that does not depend
+on either, for planners that try many recompute sets.
 """
 
 from __future__ import annotations
@@ -165,67 +168,135 @@ def backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-def intervals(
-    gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
-    persistent: Iterable[fx.Node] | None = None, inputs_until_wait: bool = True, fused: bool = False,
-) -> tuple[list[fx.Node], dict[fx.Node, list[tuple[int, int]]], dict[fx.Node, int]]:
-    """(nodes in order, storage root -> live intervals [start, end] inclusive, root -> bytes)."""
-    nodes = list(gm.graph.nodes)
-    idx = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes) - 1
-    roots: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        roots[n] = roots[n.args[0]] if is_alias(n) and n.args[0] in roots else n  # type: ignore[index]
-    # where a value is read: at its user, or (fused) where that user's kernel runs
-    away = {n for n in nodes if fused and fuses_away(n)}
-    runs_at: dict[fx.Node, int] = {}
-    for n in reversed(nodes):
-        runs_at[n] = max((runs_at[u] for u in n.users), default=idx[n]) if n in away else idx[n]
-    size: dict[fx.Node, int] = {}
-    uses: dict[fx.Node, list[int]] = {}
-    for n in nodes:
-        if n.op == "output":
-            continue
-        r = roots[n]
-        if r is n:
-            size[r] = 0 if n in away else value_bytes(n)
-            uses.setdefault(r, [])
-        for u in n.users:
-            if roots.get(u) is r and u is not r:
-                continue  # an alias of r: its own users count (a view is not a use)
-            uses[r].append(end if u.op == "output" else runs_at[u])
-    # a collective's input buffer is in use until the collective is waited on
-    for n in nodes if inputs_until_wait else ():
-        if n.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(n.args[0], fx.Node):
-            for a in n.args[0].all_input_nodes:
-                if a in roots and a.op != "output":
-                    uses[roots[a]].append(idx[n])
-    inplace = _inplace_reuse(nodes, idx, roots, uses, size, away) if fused else {}
-    reshard = set(reshard)
-    if reshard and bwd is None:
-        bwd = backward_nodes(gm)
-    keep = None if persistent is None else set(persistent)
-    live: dict[fx.Node, list[tuple[int, int]]] = {}
-    for r, us in uses.items():
+def recompute_points(nodes: list[fx.Node], idx: dict[fx.Node, int], recompute: Iterable[fx.Node],
+                     bwd: set[fx.Node]) -> dict[fx.Node, int]:
+    """Forward node recomputed in backward -> the position (a backward node's) where
+    its value is needed again: its first backward user, or the earliest point where a
+    recomputed user of it is needed (chains are recomputed together)."""
+    out: dict[fx.Node, int] = {}
+    for n in sorted((n for n in set(recompute) if n not in bwd), key=idx.__getitem__, reverse=True):
+        ps = [idx[u] for u in n.users if u in bwd] + [out[u] for u in n.users if u in out]
+        if ps:
+            out[n] = min(ps)
+    return out
+
+
+class Lifetimes:
+    """The part of :func:`intervals` that does not depend on ``reshard`` /
+    ``recompute``, computed once per graph, so that a planner trying many
+    recompute sets (``passes/remat.py``) re-derives only the storages a set
+    touches (:meth:`live_of`). Same arguments as :func:`intervals`."""
+
+    def __init__(self, gm: fx.GraphModule, bwd: set[fx.Node] | None = None,
+                 persistent: Iterable[fx.Node] | None = None, inputs_until_wait: bool = True, fused: bool = False):
+        self.gm, self._bwd, self.fused = gm, bwd, fused
+        nodes = self.nodes = list(gm.graph.nodes)
+        idx = self.idx = {n: i for i, n in enumerate(nodes)}
+        end = self.end = len(nodes) - 1
+        roots: dict[fx.Node, fx.Node] = {}
+        for n in nodes:
+            roots[n] = roots[n.args[0]] if is_alias(n) and n.args[0] in roots else n  # type: ignore[index]
+        self.roots = roots
+        # where a value is read: at its user, or (fused) where that user's kernel runs
+        away = self.away = {n for n in nodes if fused and fuses_away(n)}
+        runs_at: dict[fx.Node, int] = {}
+        for n in reversed(nodes):
+            runs_at[n] = max((runs_at[u] for u in n.users), default=idx[n]) if n in away else idx[n]
+        size: dict[fx.Node, int] = {}
+        uses: dict[fx.Node, list[int]] = {}
+        for n in nodes:
+            if n.op == "output":
+                continue
+            r = roots[n]
+            if r is n:
+                size[r] = 0 if n in away else value_bytes(n)
+                uses.setdefault(r, [])
+            for u in n.users:
+                if roots.get(u) is r and u is not r:
+                    continue  # an alias of r: its own users count (a view is not a use)
+                uses[r].append(end if u.op == "output" else runs_at[u])
+        # a collective's input buffer is in use until the collective is waited on
+        for n in nodes if inputs_until_wait else ():
+            if n.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(n.args[0], fx.Node):
+                for a in n.args[0].all_input_nodes:
+                    if a in roots and a.op != "output":
+                        uses[roots[a]].append(idx[n])
+        self.size, self.uses = size, uses
+        self.keep = None if persistent is None else set(persistent)
+        self.workspaces = [(Workspace(n), idx[n], ws) for n in nodes if (ws := workspace_bytes(n)) > 0]
+
+    @property
+    def bwd(self) -> set[fx.Node]:
+        if self._bwd is None:
+            self._bwd = backward_nodes(self.gm)
+        return self._bwd
+
+    def points(self, recompute: Iterable[fx.Node]) -> dict[fx.Node, int]:
+        """:func:`recompute_points` of this graph."""
+        recompute = list(recompute)
+        return recompute_points(self.nodes, self.idx, recompute, self.bwd) if recompute else {}
+
+    def extra_uses(self, points: dict[fx.Node, int]) -> dict[fx.Node, list[int]]:
+        """Storage root -> where recomputed nodes read it again."""
+        out: dict[fx.Node, list[int]] = {}
+        for n, p in points.items():  # a recomputed node reads its inputs again where it is recomputed
+            for a in n.all_input_nodes:
+                if a in self.roots and a.op != "output":
+                    out.setdefault(self.roots[a], []).append(p)
+        return out
+
+    def live_of(self, r: fx.Node, us: list[int], reshard: set[fx.Node], points: dict[fx.Node, int],
+                inplace: dict[fx.Node, int] | None = None) -> list[tuple[int, int]]:
+        """Live intervals of storage root ``r`` read at positions ``us``."""
+        nodes, idx = self.nodes, self.idx
         start = 0 if r.op == "placeholder" else idx[r]
-        whole = r.op == "placeholder" and (keep is None or r in keep)
-        last = end if whole else max(us, default=start)
-        if r in reshard and bwd:
+        whole = r.op == "placeholder" and (self.keep is None or r in self.keep)
+        last = self.end if whole else max(us, default=start)
+        if r in reshard:
+            bwd = self.bwd
             fw = [u for u in us if nodes[u] not in bwd and nodes[u].op != "output"]
             bw = [u for u in us if nodes[u] in bwd or nodes[u].op == "output"]
             if bw and fw:
                 first_bw = min(bw)
-                live[r] = [(start, max(fw)), (max(first_bw - 1, max(fw) + 1), max(bw))]
-                continue
-        if r in inplace and last == inplace[r]:
+                return [(start, max(fw)), (max(first_bw - 1, max(fw) + 1), max(bw))]
+            if bw and r in points:  # read by the backward only: computed there, not in forward
+                return [(max(min(bw) - 1, start), max(bw))]
+        if inplace and r in inplace and last == inplace[r]:
             last -= 1  # the kernel at `last` writes its output into this buffer
-        live[r] = [(start, max(last, start))]
-    for n in nodes:
-        ws = workspace_bytes(n)
-        if ws > 0:
-            key = Workspace(n)
-            live[key], size[key] = [(idx[n], idx[n])], ws  # type: ignore[index]
-    return nodes, live, size
+        return [(start, max(last, start))]
+
+    def intervals(self, reshard: Iterable[fx.Node] = (), recompute: Iterable[fx.Node] = ()
+                  ) -> tuple[list[fx.Node], dict[fx.Node, list[tuple[int, int]]], dict[fx.Node, int]]:
+        """See :func:`intervals`."""
+        points = self.points(recompute)
+        extra = self.extra_uses(points)
+        uses = {r: us + extra[r] if r in extra else us for r, us in self.uses.items()}
+        size = dict(self.size)
+        inplace = _inplace_reuse(self.nodes, self.idx, self.roots, uses, size, self.away) if self.fused else {}
+        reshard = set(reshard) | {self.roots[n] for n in points}
+        if reshard and not self.bwd:
+            reshard = set()
+        live: dict[fx.Node, list[tuple[int, int]]] = {}
+        for r, us in uses.items():
+            live[r] = self.live_of(r, us, reshard, points, inplace)
+        for key, i, ws in self.workspaces:
+            live[key], size[key] = [(i, i)], ws  # type: ignore[index]
+        return self.nodes, live, size
+
+
+def intervals(
+    gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
+    persistent: Iterable[fx.Node] | None = None, inputs_until_wait: bool = True, fused: bool = False,
+    recompute: Iterable[fx.Node] = (),
+) -> tuple[list[fx.Node], dict[fx.Node, list[tuple[int, int]]], dict[fx.Node, int]]:
+    """(nodes in order, storage root -> live intervals [start, end] inclusive, root -> bytes).
+
+    ``recompute``: forward nodes the partitioner recomputes in backward (what
+    ``passes/remat.py`` tags): like ``reshard`` for their storages (freed after the
+    last forward use, allocated again just before the backward needs them; not
+    allocated in forward at all when only the backward reads them), and each of
+    their inputs is read again where they are recomputed (it must be live there)."""
+    return Lifetimes(gm, bwd, persistent, inputs_until_wait, fused).intervals(reshard, recompute)
 
 
 def _inplace_reuse(nodes: list[fx.Node], idx: dict[fx.Node, int], roots: dict[fx.Node, fx.Node],
@@ -282,7 +353,7 @@ def _timeline_from(nodes: list[fx.Node], live: dict[fx.Node, list[tuple[int, int
 def estimate(gm: fx.GraphModule, reshard: Iterable[fx.Node] = (), bwd: set[fx.Node] | None = None,
              **kw: Any) -> MemoryEstimate:
     """Estimated peak bytes of ``gm`` in its current order (see module docstring;
-    ``kw``: ``persistent``, ``inputs_until_wait`` of :func:`intervals`)."""
+    ``kw``: ``persistent``, ``inputs_until_wait``, ``recompute`` of :func:`intervals`)."""
     return _estimate_from(*intervals(gm, reshard, bwd, **kw))
 
 
@@ -303,12 +374,21 @@ def graph_device(gm: fx.GraphModule) -> torch.device | None:
     return None
 
 
-def resolve_budget(budget: int | float | None, gm: fx.GraphModule) -> int | None:
+def resolve_budget(budget: int | float | str | None, gm: fx.GraphModule) -> int | None:
     """``Config.memory_budget`` in bytes for ``gm``'s device. A float is a fraction
     of CUDA device memory; on any other device it is a ValueError (CPU memory is
-    shared with everything else on the host: give bytes)."""
+    shared with everything else on the host: give bytes). ``"auto"`` is
+    ``config.AUTO_BUDGET_FRACTION`` of CUDA device memory, and no budget (None) on
+    any other device."""
     if budget is None:
         return None
+    if budget == "auto":
+        from . import _compat
+        from .config import AUTO_BUDGET_FRACTION
+
+        dev = graph_device(gm)
+        total = _compat.device_memory_bytes(dev) if dev is not None else None
+        return None if total is None else int(AUTO_BUDGET_FRACTION * total)
     if isinstance(budget, float):
         from . import _compat
 
