@@ -24,7 +24,7 @@ run() {  # name timeout_s cmd...
   tail -n 25 "$OUT/$name.log"
 }
 GC_ZOO_OUT="$OUT/zoo" run zoo ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 1gpu
-run cudagraphs ${CG_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py
+run cudagraphs ${CG_T:-480} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py
 run sharding 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_sharding_nccl.py
 run capfail 120 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k "capture_failure or item_model"
 GRAPHCOMP_GPU_RESULTS="$OUT" run optim1 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k 1gpu
