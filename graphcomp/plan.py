@@ -135,8 +135,11 @@ class FramePlan:
 
     inputs: dict[str, StageInputs] = field(default_factory=dict)
     splits: dict[str, SplitPlan] = field(default_factory=dict)
-    prefetch_cpu_graphs: bool = False
-    """Let ``schedule_prefetch`` reorder graphs without CUDA tensors (unit tests of the reordering)."""
+    prefetch_cpu_graphs: bool = True
+    """Let ``schedule_prefetch`` reorder graphs without CUDA tensors (CPU / gloo). On by
+    default; ``False`` keeps every collective of a CPU graph waited where it was traced
+    (a debugging knob: ``tests/stress/gloo_stress.py --prefetch-cpu off``; see
+    ``docs/heap-corruption.md`` for why it once defaulted to off)."""
 
     def stage_inputs(self, stage: str) -> StageInputs:
         return self.inputs.get(stage, StageInputs())

@@ -242,12 +242,10 @@ def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                for n in gm.graph.nodes):
         return ctx.unchanged(gm, "no all_gather / reduce_scatter of graphcomp's in the graph (tensor-parallel "
                                  "ones stay in place)")
-    if not gu.has_cuda_tensors(gm) and not ctx.frame.prefetch_cpu_graphs:
-        # CPU (gloo): no compute/communication overlap to gain. And with several
-        # gloo collectives in flight, multi-rank CPU training crashed intermittently
-        # (SIGSEGV / SIGABRT in backward, 2026-11-22; not yet root-caused), so
-        # collectives stay waited where they are.
-        return ctx.unchanged(gm, "CPU graph (gloo): collectives stay waited in place (no overlap to gain on the CPU)")
+    if not ctx.frame.prefetch_cpu_graphs and not gu.has_cuda_tensors(gm):
+        # opt-out knob only (FramePlan.prefetch_cpu_graphs); CPU (gloo) graphs are
+        # reordered like CUDA ones by default: docs/heap-corruption.md
+        return ctx.unchanged(gm, "CPU graph and FramePlan.prefetch_cpu_graphs=False: collectives stay waited in place")
     budget = memory.resolve_budget(ctx.config.memory_budget, gm)
     original = {n: (i,) for i, n in enumerate(gm.graph.nodes)}
     before = memory.estimate(gm)

@@ -112,6 +112,30 @@ def test_no_collective_is_a_noop():
     assert gm.code == code and "no all_gather" in rec.reason
 
 
+def test_cpu_graphs_reordered_by_default_and_the_knob_keeps_them_in_place():
+    """CPU (gloo) graphs are prefetched like CUDA ones (docs/heap-corruption.md);
+    FramePlan(prefetch_cpu_graphs=False) leaves them as traced, with the reason."""
+    from graphcomp.config import Config
+    from graphcomp.pipeline import PassContext, PassRecord, get_pass
+    from graphcomp.plan import FramePlan
+
+    def run(frame):
+        gm = _layers(4)
+        ctx = PassContext(config=Config.from_options({"prefetch_bytes": W_BYTES}), frame_id=0, stage="fwd",
+                          frame=frame)
+        ctx.record = PassRecord(name="schedule_prefetch", stage="fwd", enabled=True)
+        code = gm.code
+        res = get_pass("schedule_prefetch").fn(gm, ctx)
+        res.gm.recompile()
+        return res, code, ctx.record
+
+    res, code, _ = run(FramePlan())
+    assert res.changed and res.gm.code != code and _ahead(res.gm) == [0, 2, 2, 2]
+    res, code, rec = run(FramePlan(prefetch_cpu_graphs=False))
+    assert not res.changed and res.gm.code == code and _ahead(res.gm) == [0, 0, 0, 0]
+    assert "prefetch_cpu_graphs=False" in rec.reason
+
+
 # ------------------------------------------------------------------ properties
 _OPS = st.lists(st.sampled_from(["layer", "act", "rs", "layer2"]), min_size=1, max_size=10)
 

@@ -3,7 +3,7 @@
 Issue 16: 2- and 4-rank gloo training with ``schedule_prefetch`` reordering CPU
 graphs crashed intermittently with heap corruption ("double free or corruption",
 "malloc(): unaligned tcache chunk"). This loop trains a small sharded Llama
-(``graphcomp.models``) with prefetch ON for CPU graphs, again and again, each
+(``graphcomp.models``) with prefetch on for CPU graphs (the default since the fix), again and again, each
 iteration under a timeout, with glibc's heap checks on, and counts what died::
 
     python tests/stress/gloo_stress.py --iters 50 --ranks 2
@@ -89,7 +89,7 @@ def _redirect_stderr() -> None:
     os.environ["GRAPHCOMP_STRESS_REDIRECTED"] = "1"
 
 
-def _train(rank: int, world: int, cfg: dict, steps: int, seed: int, prefetch_cpu: bool) -> dict:
+def _train(rank: int, world: int, cfg: dict, steps: int, seed: int, prefetch_cpu: bool | None) -> dict:
     """One iteration on one rank: fresh compile of the sharded tiny Llama, ``steps`` SGD steps."""
     import torch
     import torch.distributed as dist
@@ -102,8 +102,9 @@ def _train(rank: int, world: int, cfg: dict, steps: int, seed: int, prefetch_cpu
     from graphcomp.models import Llama, synthetic_batch
     from graphcomp.plan import FramePlan
 
-    # the test knob (graphcomp.plan.FramePlan.prefetch_cpu_graphs) for every frame compiled here
-    gc_backend.FramePlan = lambda: FramePlan(prefetch_cpu_graphs=prefetch_cpu)
+    # the knob (graphcomp.plan.FramePlan.prefetch_cpu_graphs) for every frame compiled here;
+    # None: graphcomp's default
+    gc_backend.FramePlan = FramePlan if prefetch_cpu is None else (lambda: FramePlan(prefetch_cpu_graphs=prefetch_cpu))
     torch._dynamo.reset()
     graphcomp.reset()
     torch.manual_seed(seed)
@@ -177,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="training steps per iteration")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds one iteration may take")
     ap.add_argument("--contention", type=int, default=0, help="busy-looping processes beside the ranks")
-    ap.add_argument("--prefetch-cpu", choices=["on", "off"], default="on",
-                    help="schedule_prefetch on CPU graphs (FramePlan.prefetch_cpu_graphs)")
+    ap.add_argument("--prefetch-cpu", choices=["default", "on", "off"], default="default",
+                    help="schedule_prefetch on CPU graphs (FramePlan.prefetch_cpu_graphs; default: graphcomp's default, on)")
     ap.add_argument("--codegen", choices=["eager", "inductor", "cycle"], default="cycle",
                     help="restrict the config cycle to one codegen")
     ap.add_argument("--no-malloc-checks", action="store_true", help="run without MALLOC_CHECK_/MALLOC_PERTURB_")
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             status, detail = "ok", ""
             try:
-                res = pool.run(_train, cfg, args.steps, it, args.prefetch_cpu == "on", timeout=args.timeout)
+                knob = None if args.prefetch_cpu == "default" else args.prefetch_cpu == "on"
+                res = pool.run(_train, cfg, args.steps, it, knob, timeout=args.timeout)
                 summary["prefetch_changed_frames"] += res[0]["prefetch_changed"]
                 if not all(r["losses"] == res[0]["losses"] for r in res):
                     status, detail = "error", "ranks disagree on the loss"
