@@ -9,10 +9,10 @@ iteration under a timeout, with glibc's heap checks on, and counts what died::
     python tests/stress/gloo_stress.py --iters 50 --ranks 2
     python tests/stress/gloo_stress.py --iters 50 --ranks 4 --contention 2
 
-One iteration = on every rank: a fresh compile of the sharded model (Dynamo and
-graphcomp reset) with the next configuration of a fixed cycle (fuse / bucket /
-reshard_after_forward / prefetch cap / codegen), then ``--steps`` training steps
-(forward, backward, SGD step). The ranks are reused between iterations (starting
+One iteration = on every rank: ``--steps`` training steps (forward, backward, SGD
+step) of the sharded model; every ``--recompile-every`` iterations (default: each)
+first a fresh compile (Dynamo and graphcomp reset) with the next configuration of
+a fixed cycle (fuse / bucket / reshard_after_forward / prefetch cap / codegen). The ranks are reused between iterations (starting
 processes that import torch costs seconds); after a crash or a timeout they are
 killed and the next iteration starts fresh ones.
 
@@ -89,8 +89,13 @@ def _redirect_stderr() -> None:
     os.environ["GRAPHCOMP_STRESS_REDIRECTED"] = "1"
 
 
-def _train(rank: int, world: int, cfg: dict, steps: int, seed: int, prefetch_cpu: bool | None) -> dict:
-    """One iteration on one rank: fresh compile of the sharded tiny Llama, ``steps`` SGD steps."""
+_STATE: dict = {}  # per rank process: the compiled model of the current configuration
+
+
+def _train(rank: int, world: int, cfg: dict, steps: int, seed: int, prefetch_cpu: bool | None,
+           recompile: bool = True) -> dict:
+    """One iteration on one rank: ``steps`` SGD steps of the sharded tiny Llama; a fresh
+    compile first when ``recompile`` (or when this rank has no model yet)."""
     import torch
     import torch.distributed as dist
 
@@ -105,21 +110,24 @@ def _train(rank: int, world: int, cfg: dict, steps: int, seed: int, prefetch_cpu
     # the knob (graphcomp.plan.FramePlan.prefetch_cpu_graphs) for every frame compiled here;
     # None: graphcomp's default
     gc_backend.FramePlan = FramePlan if prefetch_cpu is None else (lambda: FramePlan(prefetch_cpu_graphs=prefetch_cpu))
-    torch._dynamo.reset()
-    graphcomp.reset()
-    torch.manual_seed(seed)
-    m = Llama("tiny")
-    graphcomp.shard(m)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    options = {
-        "codegen": cfg["codegen"],
-        "bucket_bytes": 4096,
-        "prefetch_bytes": cfg["prefetch_bytes"],
-        "reshard_after_forward": cfg["reshard"],
-        "passes": {"fuse_allgather_downcast": cfg["fuse"], "bucket_collectives": cfg["bucket"]},
-    }
-    # the backend function itself: works without `pip install` (no entry point needed)
-    cm = torch.compile(m, backend=gc_backend.graphcomp_backend, options=options)
+    if recompile or not _STATE:
+        _STATE.clear()
+        torch._dynamo.reset()
+        graphcomp.reset()
+        torch.manual_seed(seed)
+        m = Llama("tiny")
+        graphcomp.shard(m)
+        options = {
+            "codegen": cfg["codegen"],
+            "bucket_bytes": 4096,
+            "prefetch_bytes": cfg["prefetch_bytes"],
+            "reshard_after_forward": cfg["reshard"],
+            "passes": {"fuse_allgather_downcast": cfg["fuse"], "bucket_collectives": cfg["bucket"]},
+        }
+        # the backend function itself: works without `pip install` (no entry point needed)
+        _STATE.update(m=m, opt=torch.optim.SGD(m.parameters(), lr=0.1),
+                      cm=torch.compile(m, backend=gc_backend.graphcomp_backend, options=options))
+    m, opt, cm = _STATE["m"], _STATE["opt"], _STATE["cm"]
     losses = []
     t0 = time.perf_counter()
     for step in range(steps):
@@ -135,7 +143,8 @@ def _train(rank: int, world: int, cfg: dict, steps: int, seed: int, prefetch_cpu
     return {
         "losses": losses,
         "seconds": time.perf_counter() - t0,
-        "prefetch_changed": int(dict(c).get("pass:schedule_prefetch:changed", 0)),
+        # frames schedule_prefetch reordered in this iteration's compile (0 without one)
+        "prefetch_changed": int(dict(c).get("pass:schedule_prefetch:changed", 0)) if recompile else 0,
     }
 
 
@@ -177,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=2, choices=[2, 4], help="gloo ranks")
     ap.add_argument("--steps", type=int, default=4, help="training steps per iteration")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds one iteration may take")
+    ap.add_argument("--recompile-every", type=int, default=1,
+                    help="compile afresh (next configuration) every K iterations; the others train the same model")
     ap.add_argument("--contention", type=int, default=0, help="busy-looping processes beside the ranks")
     ap.add_argument("--prefetch-cpu", choices=["default", "on", "off"], default="default",
                     help="schedule_prefetch on CPU graphs (FramePlan.prefetch_cpu_graphs; default: graphcomp's default, on)")
@@ -189,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.iters < 1:
         ap.error(f"--iters must be >= 1, got {args.iters}")
+    if args.recompile_every < 1:
+        ap.error(f"--recompile-every must be >= 1, got {args.recompile_every}")
 
     from _dist import DistPool, RankError
 
@@ -203,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in CONFIGS if args.codegen in ("cycle", c["codegen"])]
     contention = _start_contention(args.contention)
     summary = {"iterations": 0, "ok": 0, "crashes": 0, "timeouts": 0, "errors": 0, "signals": {},
-               "messages": {}, "ranks": args.ranks, "steps_per_iteration": args.steps,
+               "messages": {}, "ranks": args.ranks, "steps_per_iteration": args.steps, "recompile_every": args.recompile_every, "compiles": 0,
                "prefetch_cpu": args.prefetch_cpu, "contention": args.contention,
                "malloc_checks": not args.no_malloc_checks, "prefetch_changed_frames": 0, "failures": []}
     seen: dict[str, int] = {}
@@ -211,13 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     pool = DistPool(args.ranks, timeout=args.timeout, env=env, setup=_redirect_stderr)
     try:
         for it in range(args.iters):
-            cfg = configs[it % len(configs)]
+            cfg = configs[(it // args.recompile_every) % len(configs)]
+            recompile = it % args.recompile_every == 0 or not pool.alive  # fresh ranks have no model
             t0 = time.monotonic()
             status, detail = "ok", ""
             try:
                 knob = None if args.prefetch_cpu == "default" else args.prefetch_cpu == "on"
-                res = pool.run(_train, cfg, args.steps, it, knob, timeout=args.timeout)
+                res = pool.run(_train, cfg, args.steps, it, knob, recompile, timeout=args.timeout)
                 summary["prefetch_changed_frames"] += res[0]["prefetch_changed"]
+                summary["compiles"] += int(recompile)
                 if not all(r["losses"] == res[0]["losses"] for r in res):
                     status, detail = "error", "ranks disagree on the loss"
             except TimeoutError as e:
