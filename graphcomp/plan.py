@@ -135,11 +135,12 @@ class FramePlan:
 
     inputs: dict[str, StageInputs] = field(default_factory=dict)
     splits: dict[str, SplitPlan] = field(default_factory=dict)
-    prefetch_cpu_graphs: bool = True
-    """Let ``schedule_prefetch`` reorder graphs without CUDA tensors (CPU / gloo). On by
-    default; ``False`` keeps every collective of a CPU graph waited where it was traced
-    (a debugging knob: ``tests/stress/gloo_stress.py --prefetch-cpu off``; see
-    ``docs/heap-corruption.md`` for why it once defaulted to off)."""
+    prefetch_cpu_graphs: bool = False
+    """Let ``schedule_prefetch`` reorder graphs without CUDA tensors (CPU / gloo). Off by
+    default: with several gloo collectives in flight, torch's gloo path corrupts the heap
+    about once in 10^5 collectives under CPU contention, with or without graphcomp
+    (``docs/heap-corruption.md``). Tests and ``tests/stress/gloo_stress.py
+    --prefetch-cpu on`` set it."""
 
     def stage_inputs(self, stage: str) -> StageInputs:
         return self.inputs.get(stage, StageInputs())

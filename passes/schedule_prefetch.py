@@ -243,9 +243,11 @@ def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return ctx.unchanged(gm, "no all_gather / reduce_scatter of graphcomp's in the graph (tensor-parallel "
                                  "ones stay in place)")
     if not ctx.frame.prefetch_cpu_graphs and not gu.has_cuda_tensors(gm):
-        # opt-out knob only (FramePlan.prefetch_cpu_graphs); CPU (gloo) graphs are
-        # reordered like CUDA ones by default: docs/heap-corruption.md
-        return ctx.unchanged(gm, "CPU graph and FramePlan.prefetch_cpu_graphs=False: collectives stay waited in place")
+        # CPU (gloo): several gloo collectives in flight corrupt the heap, rarely,
+        # below graphcomp (reproduced with raw functional collectives, no graph):
+        # docs/heap-corruption.md. FramePlan.prefetch_cpu_graphs=True opts in.
+        return ctx.unchanged(gm, "CPU graph (gloo): collectives stay waited in place (several gloo collectives "
+                                 "in flight corrupt the heap, rarely: docs/heap-corruption.md)")
     budget = memory.resolve_budget(ctx.config.memory_budget, gm)
     original = {n: (i,) for i, n in enumerate(gm.graph.nodes)}
     before = memory.estimate(gm)

@@ -43,8 +43,8 @@ def reduce_scatter(g, world, group):
 
 def run_pass(name, gm, stage="joint", **options):
     cfg = Config.from_options(options)
-    # hand-built graphs are CPU graphs (reordered by default, like CUDA ones)
-    ctx = PassContext(config=cfg, frame_id=0, stage=stage, frame=FramePlan())
+    # hand-built graphs are CPU graphs: test the reordering passes on them anyway
+    ctx = PassContext(config=cfg, frame_id=0, stage=stage, frame=FramePlan(prefetch_cpu_graphs=True))
     from graphcomp.pipeline import PassRecord
 
     ctx.record = PassRecord(name=name, stage=stage, enabled=True)

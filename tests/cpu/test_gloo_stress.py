@@ -1,9 +1,10 @@
 """A shortened run of tests/stress/gloo_stress.py in `make test` (issue 16).
 
 10 iterations on 2 gloo ranks, each a fresh compile of the sharded tiny Llama with
-``schedule_prefetch`` at its default (on for CPU graphs) and 3 training steps, with
-glibc's heap checks on; every iteration under a timeout. The full loop (hundreds of
-iterations, 2 and 4 ranks) and its numbers: docs/heap-corruption.md.
+graphcomp's defaults (``schedule_prefetch`` leaves CPU graphs alone) and 3 training
+steps, with glibc's heap checks on; every iteration under a timeout. The full loop
+(hundreds of iterations, 2 and 4 ranks, prefetch on and off) and its numbers:
+docs/heap-corruption.md.
 """
 
 import json
@@ -18,7 +19,7 @@ STRESS = Path(__file__).resolve().parents[1] / "stress" / "gloo_stress.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_gloo_stress_short_prefetch_on_by_default(tmp_path):
+def test_gloo_stress_short(tmp_path):
     out = tmp_path / "summary.json"
     cmd = [sys.executable, str(STRESS), "--iters", "10", "--ranks", "2", "--steps", "3", "--codegen", "eager",
            "--timeout", "120", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]
@@ -29,8 +30,9 @@ def test_gloo_stress_short_prefetch_on_by_default(tmp_path):
     assert (s["crashes"], s["timeouts"], s["errors"]) == (0, 0, 0), s["failures"]
     assert s["ok"] == 10 and proc.returncode == 0
     assert s["malloc_checks"] and s["prefetch_cpu"] == "default"
-    # the default reordered the CPU graphs: forward and backward of every iteration
-    assert s["prefetch_changed_frames"] == 2 * 10
+    assert s["compiles"] == 10
+    # the default leaves CPU graphs as traced (docs/heap-corruption.md)
+    assert s["prefetch_changed_frames"] == 0
 
 
 def test_gloo_stress_rejects_bad_arguments(tmp_path):

@@ -112,9 +112,9 @@ def test_no_collective_is_a_noop():
     assert gm.code == code and "no all_gather" in rec.reason
 
 
-def test_cpu_graphs_reordered_by_default_and_the_knob_keeps_them_in_place():
-    """CPU (gloo) graphs are prefetched like CUDA ones (docs/heap-corruption.md);
-    FramePlan(prefetch_cpu_graphs=False) leaves them as traced, with the reason."""
+def test_cpu_graphs_stay_in_place_by_default_and_the_knob_reorders_them():
+    """CPU (gloo) graphs keep every collective waited where it was traced unless
+    FramePlan.prefetch_cpu_graphs opts in (docs/heap-corruption.md); the reason says so."""
     from graphcomp.config import Config
     from graphcomp.pipeline import PassContext, PassRecord, get_pass
     from graphcomp.plan import FramePlan
@@ -129,11 +129,12 @@ def test_cpu_graphs_reordered_by_default_and_the_knob_keeps_them_in_place():
         res.gm.recompile()
         return res, code, ctx.record
 
-    res, code, _ = run(FramePlan())
-    assert res.changed and res.gm.code != code and _ahead(res.gm) == [0, 2, 2, 2]
-    res, code, rec = run(FramePlan(prefetch_cpu_graphs=False))
+    assert FramePlan().prefetch_cpu_graphs is False
+    res, code, rec = run(FramePlan())
     assert not res.changed and res.gm.code == code and _ahead(res.gm) == [0, 0, 0, 0]
-    assert "prefetch_cpu_graphs=False" in rec.reason
+    assert "CPU graph (gloo)" in rec.reason and "heap-corruption.md" in rec.reason
+    res, code, _ = run(FramePlan(prefetch_cpu_graphs=True))
+    assert res.changed and res.gm.code != code and _ahead(res.gm) == [0, 2, 2, 2]
 
 
 # ------------------------------------------------------------------ properties

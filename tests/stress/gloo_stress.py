@@ -3,18 +3,20 @@
 Issue 16: 2- and 4-rank gloo training with ``schedule_prefetch`` reordering CPU
 graphs crashed intermittently with heap corruption ("double free or corruption",
 "malloc(): unaligned tcache chunk"). This loop trains a small sharded Llama
-(``graphcomp.models``) with prefetch on for CPU graphs (the default since the fix), again and again, each
-iteration under a timeout, with glibc's heap checks on, and counts what died::
+(``graphcomp.models``) with ``schedule_prefetch`` reordering CPU graphs
+(``--prefetch-cpu on``; graphcomp's default leaves them alone), again and again,
+each iteration under a timeout, with glibc's heap checks on, and counts what died::
 
-    python tests/stress/gloo_stress.py --iters 50 --ranks 2
-    python tests/stress/gloo_stress.py --iters 50 --ranks 4 --contention 2
+    python tests/stress/gloo_stress.py --iters 50 --ranks 2 --prefetch-cpu on
+    python tests/stress/gloo_stress.py --iters 50 --ranks 4 --prefetch-cpu on --contention 2
 
 One iteration = on every rank: ``--steps`` training steps (forward, backward, SGD
 step) of the sharded model; every ``--recompile-every`` iterations (default: each)
 first a fresh compile (Dynamo and graphcomp reset) with the next configuration of
-a fixed cycle (fuse / bucket / reshard_after_forward / prefetch cap / codegen). The ranks are reused between iterations (starting
-processes that import torch costs seconds); after a crash or a timeout they are
-killed and the next iteration starts fresh ones.
+a fixed cycle (fuse / bucket / reshard_after_forward / prefetch cap / codegen).
+The ranks are reused between iterations (starting processes that import torch
+costs seconds); after a crash or a timeout they are killed and the next iteration
+starts fresh ones.
 
 Every rank's stderr (faulthandler stacks, glibc's abort messages) goes to
 ``<log-dir>/rank<r>-pid<p>.log``; a crash's message is classified from there.
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="compile afresh (next configuration) every K iterations; the others train the same model")
     ap.add_argument("--contention", type=int, default=0, help="busy-looping processes beside the ranks")
     ap.add_argument("--prefetch-cpu", choices=["default", "on", "off"], default="default",
-                    help="schedule_prefetch on CPU graphs (FramePlan.prefetch_cpu_graphs; default: graphcomp's default, on)")
+                    help="schedule_prefetch on CPU graphs (FramePlan.prefetch_cpu_graphs); "
+                         "default: graphcomp's default (off)")
     ap.add_argument("--codegen", choices=["eager", "inductor", "cycle"], default="cycle",
                     help="restrict the config cycle to one codegen")
     ap.add_argument("--no-malloc-checks", action="store_true", help="run without MALLOC_CHECK_/MALLOC_PERTURB_")
@@ -216,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in CONFIGS if args.codegen in ("cycle", c["codegen"])]
     contention = _start_contention(args.contention)
     summary = {"iterations": 0, "ok": 0, "crashes": 0, "timeouts": 0, "errors": 0, "signals": {},
-               "messages": {}, "ranks": args.ranks, "steps_per_iteration": args.steps, "recompile_every": args.recompile_every, "compiles": 0,
+               "messages": {}, "ranks": args.ranks, "steps_per_iteration": args.steps,
+               "recompile_every": args.recompile_every, "compiles": 0,
                "prefetch_cpu": args.prefetch_cpu, "contention": args.contention,
                "malloc_checks": not args.no_malloc_checks, "prefetch_changed_frames": 0, "failures": []}
     seen: dict[str, int] = {}
