@@ -137,10 +137,10 @@ class FramePlan:
     splits: dict[str, SplitPlan] = field(default_factory=dict)
     prefetch_cpu_graphs: bool = False
     """Let ``schedule_prefetch`` reorder graphs without CUDA tensors (CPU / gloo). Off by
-    default: with several gloo collectives in flight, torch's gloo path corrupts the heap
-    about once in 10^5 collectives under CPU contention, with or without graphcomp
-    (``docs/heap-corruption.md``). Tests and ``tests/stress/gloo_stress.py
-    --prefetch-cpu on`` set it."""
+    default: with several gloo collectives in flight the heap gets corrupted, about once
+    in 150,000 collectives under CPU contention, also with raw functional collectives and
+    no graphcomp graph (``docs/heap-corruption.md``). Tests and
+    ``tests/stress/gloo_stress.py --prefetch-cpu on`` set it."""
 
     def stage_inputs(self, stage: str) -> StageInputs:
         return self.inputs.get(stage, StageInputs())
