@@ -138,7 +138,7 @@ class FramePlan:
     prefetch_cpu_graphs: bool = False
     """Let ``schedule_prefetch`` reorder graphs without CUDA tensors (CPU / gloo). Off by
     default: with several gloo collectives in flight the heap gets corrupted, about once
-    in 150,000 collectives under CPU contention, also with raw functional collectives and
+    in 110,000 collectives under CPU contention, also with raw functional collectives and
     no graphcomp graph (``docs/heap-corruption.md``). Tests and
     ``tests/stress/gloo_stress.py --prefetch-cpu on`` set it."""
 
