@@ -136,7 +136,11 @@ class FramePlan:
     inputs: dict[str, StageInputs] = field(default_factory=dict)
     splits: dict[str, SplitPlan] = field(default_factory=dict)
     prefetch_cpu_graphs: bool = False
-    """Let ``schedule_prefetch`` reorder graphs without CUDA tensors (unit tests of the reordering)."""
+    """Let ``schedule_prefetch`` reorder graphs without CUDA tensors (CPU / gloo). Off by
+    default: with several gloo collectives in flight the heap gets corrupted, about once
+    in 110,000 collectives under CPU contention, also with raw functional collectives and
+    no graphcomp graph (``docs/heap-corruption.md``). Tests and
+    ``tests/stress/gloo_stress.py --prefetch-cpu on`` set it."""
 
     def stage_inputs(self, stage: str) -> StageInputs:
         return self.inputs.get(stage, StageInputs())

@@ -242,12 +242,12 @@ def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                for n in gm.graph.nodes):
         return ctx.unchanged(gm, "no all_gather / reduce_scatter of graphcomp's in the graph (tensor-parallel "
                                  "ones stay in place)")
-    if not gu.has_cuda_tensors(gm) and not ctx.frame.prefetch_cpu_graphs:
-        # CPU (gloo): no compute/communication overlap to gain. And with several
-        # gloo collectives in flight, multi-rank CPU training crashed intermittently
-        # (SIGSEGV / SIGABRT in backward, 2026-11-22; not yet root-caused), so
-        # collectives stay waited where they are.
-        return ctx.unchanged(gm, "CPU graph (gloo): collectives stay waited in place (no overlap to gain on the CPU)")
+    if not ctx.frame.prefetch_cpu_graphs and not gu.has_cuda_tensors(gm):
+        # CPU (gloo): several gloo collectives in flight corrupt the heap, rarely,
+        # below graphcomp (reproduced with raw functional collectives, no graph):
+        # docs/heap-corruption.md. FramePlan.prefetch_cpu_graphs=True opts in.
+        return ctx.unchanged(gm, "CPU graph (gloo): collectives stay waited in place (several gloo collectives "
+                                 "in flight corrupt the heap, rarely: docs/heap-corruption.md)")
     budget = memory.resolve_budget(ctx.config.memory_budget, gm)
     original = {n: (i,) for i, n in enumerate(gm.graph.nodes)}
     before = memory.estimate(gm)

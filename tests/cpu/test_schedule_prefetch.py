@@ -112,6 +112,31 @@ def test_no_collective_is_a_noop():
     assert gm.code == code and "no all_gather" in rec.reason
 
 
+def test_cpu_graphs_stay_in_place_by_default_and_the_knob_reorders_them():
+    """CPU (gloo) graphs keep every collective waited where it was traced unless
+    FramePlan.prefetch_cpu_graphs opts in (docs/heap-corruption.md); the reason says so."""
+    from graphcomp.config import Config
+    from graphcomp.pipeline import PassContext, PassRecord, get_pass
+    from graphcomp.plan import FramePlan
+
+    def run(frame):
+        gm = _layers(4)
+        ctx = PassContext(config=Config.from_options({"prefetch_bytes": W_BYTES}), frame_id=0, stage="fwd",
+                          frame=frame)
+        ctx.record = PassRecord(name="schedule_prefetch", stage="fwd", enabled=True)
+        code = gm.code
+        res = get_pass("schedule_prefetch").fn(gm, ctx)
+        res.gm.recompile()
+        return res, code, ctx.record
+
+    assert FramePlan().prefetch_cpu_graphs is False
+    res, code, rec = run(FramePlan())
+    assert not res.changed and res.gm.code == code and _ahead(res.gm) == [0, 0, 0, 0]
+    assert "CPU graph (gloo)" in rec.reason and "heap-corruption.md" in rec.reason
+    res, code, _ = run(FramePlan(prefetch_cpu_graphs=True))
+    assert res.changed and res.gm.code != code and _ahead(res.gm) == [0, 2, 2, 2]
+
+
 # ------------------------------------------------------------------ properties
 _OPS = st.lists(st.sampled_from(["layer", "act", "rs", "layer2"]), min_size=1, max_size=10)
 

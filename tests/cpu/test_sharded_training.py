@@ -179,5 +179,6 @@ def test_bf16_schedule_policies_are_bitwise_equal(ranks2):
                 torch.testing.assert_close(params[k], bp[k], rtol=0, atol=0, msg=lambda m, k=k: f"{name} {k}: {m}")
     c = base[0][2]
     # schedule_free resharded; schedule_prefetch leaves CPU (gloo) graphs alone
-    # (passes/schedule_prefetch.py) and is exercised on hand-built graphs instead
+    # (docs/heap-corruption.md) and is exercised on hand-built graphs and by
+    # tests/stress/gloo_stress.py --prefetch-cpu on instead
     assert c["gathers_resharded"] > 0 and c.get("pass:schedule_prefetch:changed", 0) == 0

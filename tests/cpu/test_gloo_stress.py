@@ -1,0 +1,41 @@
+"""A shortened run of tests/stress/gloo_stress.py in `make test` (issue 16).
+
+10 iterations on 2 gloo ranks, each a fresh compile of the sharded tiny Llama with
+graphcomp's defaults (``schedule_prefetch`` leaves CPU graphs alone) and 3 training
+steps, with glibc's heap checks on; every iteration under a timeout. The full loop
+(hundreds of iterations, 2 and 4 ranks, prefetch on and off) and its numbers:
+docs/heap-corruption.md.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STRESS = Path(__file__).resolve().parents[1] / "stress" / "gloo_stress.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_gloo_stress_short(tmp_path):
+    out = tmp_path / "summary.json"
+    cmd = [sys.executable, str(STRESS), "--iters", "10", "--ranks", "2", "--steps", "3", "--codegen", "eager",
+           "--timeout", "120", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["iterations"] == 10
+    assert (s["crashes"], s["timeouts"], s["errors"]) == (0, 0, 0), s["failures"]
+    assert s["ok"] == 10 and proc.returncode == 0
+    assert s["malloc_checks"] and s["prefetch_cpu"] == "default"
+    assert s["compiles"] == 10
+    # the default leaves CPU graphs as traced (docs/heap-corruption.md)
+    assert s["prefetch_changed_frames"] == 0
+
+
+def test_gloo_stress_rejects_bad_arguments(tmp_path):
+    for bad in (["--iters", "0"], ["--ranks", "3"], ["--prefetch-cpu", "maybe"]):
+        proc = subprocess.run([sys.executable, str(STRESS), *bad], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and bad[0] in proc.stderr, (bad, proc.stderr)
