@@ -10,9 +10,15 @@ What it compares (an :class:`Inventory` of each graph, aten stages only)::
               (a bucket flows into several gradients: each counts once)
     rs dtype  graph output #i -> dtypes its reduce-scatters run in
 
-Rules: ``gathers`` and ``reduces`` are unchanged by a pass (every use still
-gathered, every gradient reduce-scattered exactly as often as before, on the same
-group); a shard crosses the wire in a dtype it crossed in before, or in the dtype it
+Rules: a shard gathered on a group before a pass is still gathered on it after
+(a pass may merge two gathers of one shard, e.g. a tied weight read twice, into one
+bucket or one gather: the count may drop, never to zero; a shard not gathered
+before is not gathered after); likewise a gradient reduce-scattered before is
+still reduce-scattered after, on the same group, never more often (a tied weight's
+two gradient contributions may share one bucket: its count drops from 2 to 1), and a
+gradient that had none gets none. (The verifier counts collectives a value passes
+through, not the contributions inside one bucket: one of a tied weight's two
+contributions lost inside a bucket is for the numerics tests to catch); a shard crosses the wire in a dtype it crossed in before, or in the dtype it
 was cast to right after its gather (the fused downcast of
 ``fuse_allgather_downcast``); a gradient's reduce-scatter dtype is unchanged. A
 violation raises :class:`graphcomp.errors.CollectiveVerifyError` naming the pass,
@@ -138,11 +144,12 @@ def check(before: Inventory, after: Inventory, pass_name: str, stage: str, frame
             "Config.verify_collectives=False skips this check)" % pass_name)
     for key in sorted(set(before.gathers) | set(after.gathers), key=str):
         b, a = before.gathers[key], after.gathers[key]
-        if a != b:
+        if (a > 0) != (b > 0) or a > b:
             p, g = key
             raise CollectiveVerifyError(
                 f"{where}: shard {p!r} is all-gathered {a} time(s) on group {g!r}, {b} before the pass "
-                f"(every use of a parameter must stay gathered, on its group){tail}")
+                f"(every parameter gathered before must stay gathered, on its group; a pass may merge a "
+                f"shard's gathers, not add or drop them all){tail}")
     for p, dts in sorted(after.wire.items()):
         ok = before.wire.get(p, set()) | before.cast_after.get(p, set())
         bad = sorted(dts - ok)
@@ -153,12 +160,13 @@ def check(before: Inventory, after: Inventory, pass_name: str, stage: str, frame
                 f"the gather: {sorted(before.cast_after.get(p, set()))}){tail}")
     for key in sorted(set(before.reduces) | set(after.reduces), key=str):
         b, a = before.reduces[key], after.reduces[key]
-        if a != b:
+        if (a > 0) != (b > 0) or a > b:
             i, g = key
             name = after.outputs.get(i) or before.outputs.get(i)
             raise CollectiveVerifyError(
                 f"{where}: gradient output #{i} ({name}) is reduce-scattered {a} time(s) on group {g!r}, {b} "
-                f"before the pass (every gradient must be reduce-scattered exactly as before){tail}")
+                f"before the pass (every gradient reduce-scattered before must stay reduce-scattered, on its group, "
+                f"never more often){tail}")
     for i, dts in sorted(after.rs_dtypes.items()):
         if dts != before.rs_dtypes.get(i, dts):
             raise CollectiveVerifyError(
