@@ -128,3 +128,37 @@ def test_verifier_off_lets_a_broken_pass_through():
     _stage(_joint(), drop_reduce_scatter, bucket_bytes=0, verify_collectives="debug")  # debug off: not checked
     with pytest.raises(CollectiveVerifyError):
         _stage(_joint(), drop_reduce_scatter, bucket_bytes=0, verify_collectives="debug", debug=True)
+
+
+def _tied(world=2, group="g"):
+    """A tied weight (one shard) read twice, gathered at each read, and its gradient
+    the sum of two reduce-scattered contributions (as Dynamo traces GPT-2's head)."""
+
+    def f(x, shard, g1, g2):
+        w1 = gather(shard, world, group, shape=(8, 4))
+        x = torch.tanh(x @ w1.t() @ w1)
+        w2 = gather(shard, world, group, shape=(8, 4))
+        x = torch.tanh(x @ w2.t())
+        grad = reduce_scatter(g1, world, group) / world + reduce_scatter(g2, world, group) / world
+        return (x.sum(), grad)
+
+    return trace(f, torch.randn(2, 4), torch.randn(8 // world, 4), torch.randn(8, 4), torch.randn(8, 4))
+
+
+def test_tied_weight_merged_into_one_bucket_passes_and_is_still_checked():
+    from graphcomp.verify import inventory
+
+    gm = _tied()
+    before = inventory(gm)
+    assert sum(before.gathers.values()) == 2 and sum(before.reduces.values()) == 2
+    out, records = _stage(gm, bucket_bytes=10**9)  # both gathers in one bucket, both contributions in another
+    assert any(r.name == "bucket_collectives" and r.changed for r in records), records
+    after = inventory(out)
+    assert sum(after.gathers.values()) == 1 and sum(after.reduces.values()) == 1  # merged, still there
+    # the rule still holds a pass to "gathered before => gathered after": all of a tied
+    # weight's gathers dropped (here: the graph before the pass had 2, the one after 0) is caught
+    from graphcomp.verify import check
+
+    empty = inventory(trace(lambda x: (x.sum(),), torch.randn(2, 4)))
+    with pytest.raises(CollectiveVerifyError, match=r"all-gathered 0 time\(s\) on group 'g', 2 before"):
+        check(before, empty, "a_broken_pass", "joint", 0)
