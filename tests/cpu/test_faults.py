@@ -1,5 +1,6 @@
 """Fault tests (issue 16): one rank raising mid-step (forward, backward, optimizer)
-makes the other rank fail within a bounded time with a message, never hang; a
+or interrupted by Ctrl-C makes the other rank fail within a bounded time with a
+message, never hang; a
 checkpoint written during a step that then fails is complete, and one whose write
 fails on a rank is not half-written (DCP semantics).
 
@@ -59,6 +60,11 @@ class _BoomInBackward(torch.autograd.Function):
 @torch._dynamo.disable
 def _maybe_fail(net: Net, x: torch.Tensor) -> torch.Tensor:
     if net.fail and net.step == STEP_OF_FAILURE:
+        if net.where == "sigint":  # the user's Ctrl-C, mid-forward
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # (the KeyboardInterrupt arrives here)
         if net.where == "forward":
             raise RuntimeError("injected failure in forward")
         if net.where == "backward":
@@ -101,6 +107,9 @@ def _rank_main(rank: int, world: int, port: int, where: str, exits: bool, result
             opt.step()
             opt.zero_grad()
         _report(results, (rank, "finished", "", 0.0))
+    except KeyboardInterrupt as e:  # Ctrl-C: report, then let it end the process as it would a script
+        _report(results, (rank, "raised", f"KeyboardInterrupt: {e}", time.monotonic() - (t_fail or time.monotonic())))
+        raise
     except Exception as e:  # noqa: BLE001
         took = time.monotonic() - (t_fail or time.monotonic())
         _report(results, (rank, "raised", f"{type(e).__name__}: {e}", took))
@@ -146,6 +155,18 @@ def test_a_rank_that_raises_and_exits_fails_its_peer_quickly(where):
     assert status == "raised", got
     # gloo reports the closed connection of the rank that exited, long before the timeout
     assert took < PG_TIMEOUT_S, got
+    assert any(s in msg.lower() for s in ("connection closed", "connection reset", "peer", "broken pipe")), got
+
+
+@pytest.mark.timeout(HARD_S + 60)
+def test_ctrl_c_on_one_rank_ends_it_and_fails_its_peer_quickly():
+    """SIGINT to rank 0 in the middle of a compiled step: a KeyboardInterrupt ends that
+    process (its atexit hooks, graphcomp's teardown among them, run), and the peer's next
+    collective raises in seconds, not at the process-group timeout."""
+    got = _run("sigint", exits=True)
+    assert got[0][1] == "raised" and got[0][2].startswith("KeyboardInterrupt"), got
+    status, msg, took = got[1][1:]
+    assert status == "raised" and took < PG_TIMEOUT_S, got
     assert any(s in msg.lower() for s in ("connection closed", "connection reset", "peer", "broken pipe")), got
 
 
