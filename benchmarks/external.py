@@ -12,10 +12,8 @@ graphcomp contract (DESIGN.md)::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from . import workloads
 from .systems import (
@@ -130,29 +128,6 @@ def _raw_counters(graphcomp) -> dict:
         return {"repr": repr(c)}
 
 
-def captured_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device, autocast: bool,
-                  capture: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The standard step with clipping + ``opt.step()`` as graphcomp's captured step
-    (``graphcomp.optim.capture(opt, max_norm=CLIP)``: one CUDA graph replay) and
-    ``zero_grad(set_to_none=True)``: the captured backward writes the next gradients
-    to the same pool memory, where the captured step reads them. (``set_to_none=False``
-    keeps ``param.grad``, autograd adds the backward's new gradients into it, and the
-    runner copies every gradient out of the pool per step: measured on W1, 1 GPU,
-    536 MB per step and +1.46 GiB peak.)"""
-    run = capture(opt, max_norm=CLIP)
-
-    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=BF16, enabled=autocast):
-            loss = model(tokens, targets)
-        loss.backward()
-        run()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    step.captured = run  # type: ignore[attr-defined]
-    return step
-
-
 def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None,
                     eager_optimizer: bool = False) -> Built:
     """``eager_optimizer``: torch's eager clip + step (the ``graphcomp-eager_optimizer``
@@ -235,6 +210,7 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         return out
 
     capture = getattr(getattr(graphcomp, "optim", None), "capture", None)
+    captured = None  # graphcomp.optim.capture's step, when the system uses it
     if ctx.tp > 1:
         step = tp_step(compiled, opt)
         cfg["optimizer_step"] = "eager clip_grad_norm_ + opt.step() (tensor parallel: captured step not measured)"
@@ -242,18 +218,22 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         step = standard_step(compiled, opt, ctx.device, autocast=not sharded)
         cfg["optimizer_step"] = "eager clip_grad_norm_ + opt.step(), zero_grad(set_to_none=True)"
     else:
-        step = captured_step(compiled, opt, ctx.device, not sharded, capture)
+        # the captured backward writes the next gradients to the same pool memory, where the
+        # captured step reads them, as long as zero_grad sets them to None (set_to_none=False
+        # keeps param.grad: autograd adds into it and the runner copies every gradient out of
+        # the pool per step; measured on W1, 1 GPU: 536 MB per step, +1.46 GiB peak)
+        captured = capture(opt, max_norm=CLIP)
+        step = standard_step(compiled, opt, ctx.device, autocast=not sharded, update=captured)
         cfg["optimizer_step"] = (f"graphcomp.optim.capture(opt, max_norm={CLIP}) (clip + step as one CUDA graph; "
                                  "torch's eager clip + step without CUDA), zero_grad(set_to_none=True)")
     base_stats = stats
 
     def stats() -> dict:  # noqa: F811 - adds the captured step's own record
         out = base_stats()
-        run = getattr(step, "captured", None)
-        if run is not None:
-            run.sync_counters()
-            out["optimizer"] = {k: v for k, v in run.stats().items() if k != "decisions"}
-            out["optimizer"]["decisions"] = run.stats()["decisions"][-3:]
+        if captured is not None:
+            captured.sync_counters()
+            record = captured.stats()
+            out["optimizer"] = {**record, "decisions": record["decisions"][-3:]}
         return out
 
     return Built(step=step, config=cfg, compiles=True,

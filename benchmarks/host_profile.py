@@ -14,21 +14,14 @@ import cProfile
 import io
 import os
 import pstats
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 
 from . import workloads
-from .run import ALL_BUILDERS
+from .run import ALL_BUILDERS, _free_port
 from .systems import Ctx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -172,14 +172,27 @@ def strongest_peer(systems: dict[str, dict]) -> str | None:
     return max(ran, key=ran.get) if ran else None
 
 
+AC_SUFFIXES = {"-ac": True, "-noac": False}
+"""``<system>-ac`` / ``<system>-noac``: the system with activation checkpointing per
+block switched on / off whatever the workload's default (W3 checkpoints by default)."""
+
+
+def split_ac_suffix(name: str) -> tuple[str, bool | None]:
+    """(base system, checkpointing on/off) of ``<system>-ac`` / ``<system>-noac``;
+    (name, None) for a name without such a suffix."""
+    for suffix, on in AC_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)], on
+    return name, None
+
+
 def fastest_variants(systems: dict[str, dict]) -> dict[str, str]:
     """For each system run in several checkpointing configurations (``X``, ``X-ac``,
     ``X-noac``): the name of its fastest configuration that ran (under ``--memory-cap``,
     the fastest that fits)."""
     groups: dict[str, list[str]] = {}
     for n in systems:
-        base = n[:-3] if n.endswith("-ac") else n[:-5] if n.endswith("-noac") else n
-        groups.setdefault(base, []).append(n)
+        groups.setdefault(split_ac_suffix(n)[0], []).append(n)
     out = {}
     for base, names in groups.items():
         ok = [n for n in names if systems[n]["status"] == "ok" and _num(systems[n]["metrics"]["tokens_per_s_per_gpu"])]

@@ -116,11 +116,6 @@ def setup_distributed(args) -> tuple[torch.device, int, int]:
     return device, rank, world
 
 
-AC_SUFFIXES = {"-ac": True, "-noac": False}
-"""``<system>-ac`` / ``<system>-noac``: the system with activation checkpointing per
-block switched on / off whatever the workload's default (W3 checkpoints by default)."""
-
-
 def _with_checkpointing(builder, on: bool):
     """``builder`` run on the workload with ``activation_checkpointing=on``."""
     def build(ctx: Ctx):
@@ -135,14 +130,14 @@ def _with_checkpointing(builder, on: bool):
 def expand_systems(spec: str, ablation: bool) -> list[tuple[str, object]]:
     """[(name, builder | NotRun)] in run order (DeepSpeed systems last)."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    ac_names = []
-    for n in names:  # fsdp2_compile-noac: the base system on the workload with checkpointing off
-        suffix = next((x for x in AC_SUFFIXES if n.endswith(x)), None)
-        if suffix is not None:
-            base = n[: -len(suffix)]
+    ac_names: dict[str, tuple[str, bool]] = {}  # fsdp2_compile-noac: fsdp2_compile, checkpointing off
+    for n in names:
+        base, on = report.split_ac_suffix(n)
+        if on is not None:
             if base not in ALL_BUILDERS:
-                raise SystemExit(f"unknown system {base!r} in {n!r}; '{suffix}' follows one of {sorted(ALL_BUILDERS)}")
-            ac_names.append(n)
+                raise SystemExit(f"unknown system {base!r} in {n!r}; '{n[len(base):]}' follows one of "
+                                 f"{sorted(ALL_BUILDERS)}")
+            ac_names[n] = (base, on)
     names = [n for n in names if n not in ac_names]
     if "all" in names:
         i = names.index("all")
@@ -168,9 +163,8 @@ def expand_systems(spec: str, ablation: bool) -> list[tuple[str, object]]:
         else:
             raise SystemExit(f"unknown system {n!r}; valid: {sorted(ALL_BUILDERS)}, {ABLATION_PREFIX}<pass>, "
                              f"graphcomp-ablation, all")
-    for n in ac_names:
-        suffix = next(x for x in AC_SUFFIXES if n.endswith(x))
-        out.append((n, _with_checkpointing(ALL_BUILDERS[n[: -len(suffix)]], AC_SUFFIXES[suffix])))
+    for n, (base, on) in ac_names.items():
+        out.append((n, _with_checkpointing(ALL_BUILDERS[base], on)))
     seen, uniq = set(), []
     for n, b in out:
         if n not in seen:
@@ -288,7 +282,8 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
         m = res["metrics"]
         tps = w.batch * w.seq / ctx.tp / (med / 1e3)  # a dp group's tp GPUs share its micro-batch
         fpt = ctx.flops_per_token if ctx.flops_per_token is not None else workloads.model_info(w)["flops_per_token"]
-        m.update(tokens_per_s_per_gpu=tps, step_time_ms_median=med, host_ms_per_step_median=host_med, step_times_ms=[round(t, 3) for t in times],
+        m.update(tokens_per_s_per_gpu=tps, step_time_ms_median=med, host_ms_per_step_median=host_med,
+                 step_times_ms=[round(t, 3) for t in times],
                  mfu=fpt * tps / measure.PEAK_BF16_FLOPS,
                  mfu_vs_measured_matmul=(fpt * tps / (matmul_tflops * 1e12)) if matmul_tflops else None,
                  peak_mem_allocated_gib=alloc, peak_mem_reserved_gib=resv, compile_cold_s=cold,

@@ -88,16 +88,23 @@ def make_optimizer(params, device: torch.device) -> tuple[torch.optim.Optimizer,
                                                                for k, v in ADAMW.items()}}
 
 
-def standard_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
-                  autocast: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def standard_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device, autocast: bool,
+                  update: Callable[[], Any] | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Forward (under autocast if asked), backward, ``update`` (default: torch's eager
+    ``clip_grad_norm_(CLIP)`` + ``opt.step()``), ``zero_grad(set_to_none=True)``."""
     params = [p for p in model.parameters() if p.requires_grad]
+
+    def eager_update() -> None:
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+
+    run_update = update if update is not None else eager_update
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=BF16, enabled=autocast):
             loss = model(tokens, targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
+        run_update()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
