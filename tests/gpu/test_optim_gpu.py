@@ -8,9 +8,6 @@ run (tiny Llama, eager codegen), 2-3 minutes for the W1 perf run."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,10 +15,10 @@ import pytest
 import torch
 
 import graphcomp
+from _launch import torchrun_results
 
 pytestmark = pytest.mark.gpu
 WORKER = Path(__file__).with_name("optim_worker.py")
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _ngpu() -> int:
@@ -73,21 +70,8 @@ def test_captured_step_bitwise_equal_to_eager_1gpu(world1, kind):
 
 
 def _torchrun(nproc, scenario, tmp_path, timeout):
-    env = {**os.environ, **MULTICAST_OFF, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), scenario, str(tmp_path)]
-    try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{scenario} on {nproc} GPU(s) did not finish in {timeout}s (hang?)\n{(e.stderr or '')[-3000:]}")
-    assert out.returncode == 0, out.stderr[-4000:]
-    results = [json.loads((tmp_path / f"optim_{scenario}.rank{r}.json").read_text()) for r in range(nproc)]
-    keep = os.environ.get("GRAPHCOMP_GPU_RESULTS")
-    if keep:
-        os.makedirs(keep, exist_ok=True)
-        with open(os.path.join(keep, f"optim_{scenario}_{nproc}gpu.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+    return torchrun_results(WORKER, [scenario, str(tmp_path)], nproc, tmp_path, stem=f"optim_{scenario}",
+                            keep=f"optim_{scenario}_{nproc}gpu", what=scenario, timeout=timeout)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

@@ -6,18 +6,15 @@ memory after step 50, teardown and exit in time. Budget: about 2-3 minutes per r
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _launch import torchrun_results
 
 pytestmark = pytest.mark.gpu
 SCRIPT = Path(__file__).with_name("soak.py")
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 MiB = 2**20
 
 
@@ -26,19 +23,8 @@ def test_soak_1000_steps_varying_lengths(nproc, tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPU(s)")
     steps = int(os.environ.get("GC_SOAK_STEPS", "1000"))
-    env = {**os.environ, **MULTICAST_OFF, "TORCHINDUCTOR_COMPILE_THREADS": "4"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(SCRIPT), str(tmp_path), "--steps", str(steps)]
-    try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"soak on {nproc} GPU(s) did not finish in 540 s (hang?)\n{(e.stderr or '')[-3000:]}")
-    assert out.returncode == 0, out.stderr[-4000:]
-    res = [json.loads((tmp_path / f"soak.rank{r}.json").read_text()) for r in range(nproc)]
-    keep = os.environ.get("GRAPHCOMP_GPU_RESULTS")
-    if keep:
-        os.makedirs(keep, exist_ok=True)
-        Path(keep, f"soak_{nproc}gpu.json").write_text(json.dumps(res, indent=1))
+    res = torchrun_results(SCRIPT, [str(tmp_path), "--steps", str(steps)], nproc, tmp_path, stem="soak",
+                           keep=f"soak_{nproc}gpu", what="soak", timeout=540, compile_threads=4)
     for r in res:
         c = r["counters"]
         seen = sum(1 for n in r["bucket_counts"].values() if n)
