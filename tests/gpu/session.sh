@@ -24,15 +24,18 @@ run() {  # name timeout_s cmd...
   tail -n 25 "$OUT/$name.log"
 }
 GC_ZOO_OUT="$OUT/zoo" run zoo ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 1gpu
+GC_ZOO_OUT="$OUT/zoo2" run zoo2 ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 2gpu
 run cudagraphs ${CG_T:-480} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py
+run cg2 ${CG2_T:-240} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k "2]"
 run sharding 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_sharding_nccl.py
 run capfail 120 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k "capture_failure or item_model"
 GRAPHCOMP_GPU_RESULTS="$OUT" run optim1 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k 1gpu
+GRAPHCOMP_GPU_RESULTS="$OUT" run optim2 ${OPT2_T:-150} python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k "torchrun and 2"
 GRAPHCOMP_GPU_RESULTS="$OUT" run optimw1 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k w1
 run chunk 240 python -m pytest -q -p no:cacheprovider -s tests/gpu/test_chunk_lm_loss_gpu.py
 run memory 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k memory
 GRAPHCOMP_GPU_RESULTS="$OUT" run soak 560 python -m pytest -q -p no:cacheprovider "tests/gpu/test_soak_gpu.py::test_soak_1000_steps_varying_lengths[1]"
-GRAPHCOMP_GPU_RESULTS="$OUT" run soak2 560 python -m pytest -q -p no:cacheprovider "tests/gpu/test_soak_gpu.py::test_soak_1000_steps_varying_lengths[2]"
-GRAPHCOMP_GPU_RESULTS="$OUT" run tp 600 python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
-[ -d "$OUT/zoo" ] && tar czf "$OUT/zoo.tgz" -C "$OUT" zoo && rm -rf "$OUT/zoo"
+GRAPHCOMP_GPU_RESULTS="$OUT" run soak2 ${SOAK2_T:-560} python -m pytest -q -p no:cacheprovider "tests/gpu/test_soak_gpu.py::test_soak_1000_steps_varying_lengths[2]"
+GRAPHCOMP_GPU_RESULTS="$OUT" run tp ${TP_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
+for z in zoo zoo2; do [ -d "$OUT/$z" ] && tar czf "$OUT/$z.tgz" -C "$OUT" "$z" && rm -rf "$OUT/$z"; done
 ls -la "$OUT"
