@@ -56,6 +56,10 @@ class FrameCompiler:
         self.plan = FramePlan()  # what this frame's stages hand each other
         self.joint_hook_obj: Any = None
         self.recompile = _compat.is_recompile()
+        cid = _compat.dynamo_compile_id()
+        self.code_id = None if cid is None else cid[0]  # Dynamo's id of the function compiled
+        if self.code_id is not None and graph_utils.has_symbolic_shapes(example_inputs):
+            SESSION.shape_following_code.add(self.code_id)
         agreement.note_frame()
         info: dict[str, Any] = {
             "frame": self.frame_id,
@@ -183,7 +187,7 @@ class FrameCompiler:
                 return _compat.make_boxed_func(piece.forward)
 
         return compile_pieces(self.plan.splits[stage], self.plan.stage_inputs(stage), self.cfg, compile_piece,
-                              report_strides=kwargs is not None, frame_id=self.frame_id)
+                              report_strides=kwargs is not None, frame_id=self.frame_id, code=self.code_id)
 
     # ------------------------------------------------------------- eager path
     def eager_partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:

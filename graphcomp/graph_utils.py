@@ -85,6 +85,25 @@ def is_foreign_collective(node: fx.Node) -> bool:
     return name is not None and name not in groups
 
 
+def attr_value(gm: torch.nn.Module, target: str) -> Any:
+    """The module attribute a ``get_attr`` node reads (``target`` may be dotted)."""
+    v: Any = gm
+    for atom in target.split("."):
+        v = getattr(v, atom)
+    return v
+
+
+def has_symbolic_shapes(example_inputs: Any) -> bool:
+    """True when traced inputs have symbolic sizes or scalars (Dynamo compiled the
+    frame with dynamic shapes): its shapes may follow the data."""
+    for v in example_inputs:
+        if isinstance(v, (torch.SymInt, torch.SymFloat)):
+            return True
+        if isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride())):
+            return True
+    return False
+
+
 def tensor_meta(node: fx.Node) -> Any:
     return node.meta.get("val", node.meta.get("tensor_meta"))
 

@@ -10,6 +10,7 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
 * ``pass_registry`` -- the passes the pipeline runs (built once from
   ``graphcomp.pipeline.PASS_ORDER``; kept by ``reset()``);
 * ``shard_groups`` -- the groups ``graphcomp.shard`` shards over (kept by ``reset()``);
+* ``shape_following_code`` -- Dynamo ids of functions compiled with dynamic shapes;
 * ``agree_seq`` -- rank-agreement numbering (``graphcomp.agreement``; kept by ``reset()``);
 * ``runtime`` -- the CUDA-graph runtime (``graphcomp.runtime.manager.Runtime``: pool,
   capture stream, runners, ledger). The runtime package creates it and attaches it here
@@ -102,6 +103,10 @@ class Session:
         # keys they number outlive a reset, so numbering must not restart (a stale key
         # of an earlier check would be read as this one's)
         self.agree_seq: dict[str, int] = {}
+        # Dynamo ids of the functions (code objects) compiled at least once with dynamic
+        # shapes: every CUDA-graph piece of such a function, fixed-shape
+        # specializations included, follows the data (CudaGraphRunner.follows_data)
+        self.shape_following_code: set[int] = set()
 
     def next_frame_id(self) -> int:
         return next(self._frame_ids)
@@ -113,6 +118,7 @@ class Session:
         self._frame_ids = itertools.count()
         self.frames.clear()
         self.scopes.clear()
+        self.shape_following_code.clear()
         if self.runtime is not None:
             self.runtime.reset()
 

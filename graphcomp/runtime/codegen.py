@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .. import graph_utils
 from ..plan import SplitPlan, StageInputs
 from .manager import RUNTIME
 from .runner import CudaGraphRunner, EagerPiece
@@ -91,8 +92,11 @@ def compile_pieces(
     compile_piece: Callable[[fx.GraphModule, list[Any], list[int]], Callable[[list[Any]], Any]],
     report_strides: bool = False,
     frame_id: int | None = None,
+    code: int | None = None,
 ) -> Callable[[list[Any]], Any]:
-    """Compile every piece of ``plan.split`` and return a boxed callable for the stage."""
+    """Compile every piece of ``plan.split`` and return a boxed callable for the stage
+    (``code``: Dynamo's id of the function the frame compiles, see
+    ``CudaGraphRunner.follows_data``)."""
     split, stage = plan.split, plan.stage
     prefix = f"frame{frame_id}/{stage}" if frame_id is not None else stage
     glue_static = _glue_static_idxs(split, list(inputs.static_idxs))
@@ -127,7 +131,8 @@ def compile_pieces(
                 input_names=names,
                 stats=piece.stats,
                 require=cfg.cudagraphs == "require",
-                dynamic=_has_symbolic_shapes(ex),
+                dynamic=graph_utils.has_symbolic_shapes(ex),
+                code=code,
             )
         else:
             impl = EagerPiece(f"{prefix}/{name}", compiled)
@@ -136,17 +141,6 @@ def compile_pieces(
     if report_strides:
         _report_output_strides(split, piece_strides)
     return run_glue(split)
-
-
-def _has_symbolic_shapes(example_inputs: list[Any]) -> bool:
-    """True when a piece's traced inputs have symbolic sizes or scalars (Dynamo
-    compiled the frame with dynamic shapes): its shapes may follow the data."""
-    for v in example_inputs:
-        if isinstance(v, (torch.SymInt, torch.SymFloat)):
-            return True
-        if isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride())):
-            return True
-    return False
 
 
 def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
@@ -165,6 +159,9 @@ def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
             steps.append(("piece", n, mod, dead))
         elif n.op == "call_function":
             steps.append(("fn", n, n.target, dead))
+        elif n.op == "get_attr":
+            # a tensor constant split_module hoisted out of the piece that reads it
+            steps.append(("attr", n, graph_utils.attr_value(split, str(n.target)), dead))
         elif n.op == "output":
             steps.append(("out", n, None, dead))
         elif n.op != "placeholder":
@@ -192,6 +189,8 @@ def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
                     del env[d]
                 env[n] = target(*a, **kw)
                 del a, kw
+            elif kind == "attr":
+                env[n] = target
             else:
                 return fx.node.map_arg(n.args[0], env.__getitem__)
         raise AssertionError("graphcomp: glue graph without an output node")

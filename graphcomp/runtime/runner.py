@@ -101,10 +101,12 @@ class CudaGraphRunner:
         stats: PieceStats | None = None,
         require: bool = False,
         dynamic: bool = False,
+        code: int | None = None,
     ):
         self.name = name
         self.require = require  # Config.cudagraphs == "require": a capture failure raises
         self.dynamic = dynamic  # traced with symbolic shapes: its input shapes may follow the data
+        self.code = code  # Dynamo's id of the function (code object) this piece's frame compiles
         self.disabled: str | None = None  # why this piece runs eagerly for good (a failed capture)
         self.fn = fn  # boxed: fn(list) -> sequence of outputs
         self.kinds = list(input_kinds)
@@ -130,6 +132,20 @@ class CudaGraphRunner:
         SESSION.counters.add("pieces_captured")
 
     # ------------------------------------------------------------ helpers
+    @property
+    def follows_data(self) -> str | None:
+        """Why this piece's call pattern follows the data (None when it does not):
+        traced with symbolic shapes, or one fixed-shape specialization of a function
+        Dynamo also compiled with dynamic shapes (tokens per expert in a Python MoE
+        loop: such a frame runs only in steps where that exact size comes up, so its
+        calls land at unpredictable points of a step). Such a piece turns eager at
+        its first hazard instead of falling back ``REENTRY_LIMIT`` times."""
+        if self.dynamic:
+            return "dynamic shapes"
+        if self.code is not None and self.code in SESSION.shape_following_code:
+            return "one shape of a function Dynamo also compiled with dynamic shapes"
+        return None
+
     def _warn(self, key: str, msg: str, fallback: bool = True) -> None:
         """Log ``msg`` (warn once per key); ``fallback``: this call runs eagerly
         because of a runtime hazard (``cudagraph_fallbacks``)."""
@@ -308,13 +324,13 @@ class CudaGraphRunner:
         if not held:
             return False
         names = sorted({c.runner().name if c.runner() is not None else "?" for c in held})
-        if self.dynamic and self.captures:
-            # traced with symbolic shapes and needing a (re-)capture in the middle of a
-            # step: its shapes follow the data (tokens per expert in a Python MoE loop), so
-            # it would miss again on every new shape
-            self._disable("needed a capture while other pieces' outputs were held in the pool, with input shapes "
-                          "that follow the data (dynamic shapes, e.g. tokens per expert in a Python MoE loop); "
-                          "pad such inputs to a few sizes to keep it captured", kind="unsettled")
+        data = self.follows_data
+        if data and self.captures:
+            # its shapes follow the data (tokens per expert in a Python MoE loop) and it
+            # needs a (re-)capture in the middle of a step: it would miss again
+            self._disable(f"needed a capture while other pieces' outputs were held in the pool, with input shapes "
+                          f"that follow the data ({data}, e.g. tokens per expert in a Python MoE loop); "
+                          f"pad such inputs to a few sizes to keep it captured", kind="unsettled")
             return True
         self._miss("blocked", f"graphcomp: piece {self.name} needs a capture while outputs of {', '.join(names)} "
                               f"handed out of the CUDA-graph pool are still referenced (a forward whose backward "
@@ -328,10 +344,10 @@ class CudaGraphRunner:
         graphs cannot serve (a Python loop calling the compiled region several times
         per step, shapes that follow the data) would otherwise fall back every step."""
         self.misses += 1
-        if (self.misses >= REENTRY_LIMIT or self.dynamic) and self.disabled is None:
-            # (traced with dynamic shapes: the call pattern follows the data, it would miss again)
-            self._disable(f"{why} ({self.misses} call(s){', dynamic shapes' if self.dynamic else ''})",
-                          kind="unsettled")
+        data = self.follows_data
+        if (self.misses >= REENTRY_LIMIT or data) and self.disabled is None:
+            # (shapes that follow the data: the call pattern follows the data, it would miss again)
+            self._disable(f"{why} ({self.misses} call(s){', ' + data if data else ''})", kind="unsettled")
             return
         self._warn(key, msg)
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import graph_utils
+
 
 def _is_tensor_node(n: Any) -> bool:
     if not isinstance(n, fx.Node):
@@ -64,6 +66,10 @@ def classify_static_inputs(
         for a in n.args:
             if not isinstance(a, fx.Node):
                 kinds.append("scalar")
+            elif a.op == "get_attr":
+                # a constant held by the split module: its address never changes
+                v = graph_utils.attr_value(split, str(a.target))
+                kinds.append("param" if isinstance(v, torch.Tensor) else "scalar")
             elif not _is_tensor_node(a):
                 kinds.append("scalar")
             elif a in static:

@@ -587,3 +587,64 @@ def test_input_copied_at_a_later_shapes_capture_releases_the_other_captures():
     assert r.kinds == ["copy"] and len(r.captures) == 1 and out.tolist() == [2.0] * 6
     (out,) = r(torch.zeros(4))  # the first shape again: captured anew, with a buffer
     assert out.tolist() == [1.0] * 4 and len(r.captures) == 2
+
+
+def _call_holding_outputs(r, w, n):
+    """``n`` calls, each while every earlier output is still referenced (two
+    forwards before one backward): from the second call on, a hazard."""
+    held = []
+    for _ in range(n):
+        held.append(r(w, torch.randn(2, 3))[0])
+    return held
+
+
+def test_fixed_shape_piece_falls_back_until_the_reentry_limit():
+    from graphcomp.runtime.runner import REENTRY_LIMIT
+
+    w = torch.randn(3, 3)
+    r, _ = make_runner(lambda w, x: (x @ w,), ["param", "copy"], copy_outputs="auto", code=7)
+    _call_holding_outputs(r, w, REENTRY_LIMIT)  # (code 7 never compiled with dynamic shapes)
+    c = graphcomp.counters
+    assert c["cudagraph_fallbacks"] == REENTRY_LIMIT - 1 and c["pieces_turned_eager"] == 0
+    _call_holding_outputs(r, w, 2)
+    assert c["pieces_turned_eager"] == 1 and r.disabled and "3 call(s)" in r.disabled
+    assert r.follows_data is None
+
+
+def test_shape_specialization_of_a_dynamic_function_turns_eager_at_its_first_hazard():
+    """A fixed-shape frame of a function Dynamo also compiled with dynamic shapes
+    (tokens per expert in a Python MoE loop: frames for sizes 0/1 and the first size
+    seen are fixed-shape) runs only in steps where its exact size comes up: it turns
+    eager at its first hazard, as a dynamic-shape piece does, instead of falling back
+    at unpredictable steps long after warm-up (2 GPUs, HF Mixtral with eager experts)."""
+    from graphcomp.session import SESSION
+
+    w = torch.randn(3, 3)
+    r, _ = make_runner(lambda w, x: (x @ w,), ["param", "copy"], copy_outputs="auto", code=7)
+    SESSION.shape_following_code.add(7)  # as the backend does when code 7 compiles with symbolic shapes
+    held = _call_holding_outputs(r, w, 3)
+    c = graphcomp.counters
+    assert c["cudagraph_fallbacks"] == 0 and c["pieces_turned_eager"] == 1, dict(c)
+    assert "Dynamo also compiled with dynamic shapes" in r.disabled
+    for h in held:
+        assert h.shape == (2, 3)
+    graphcomp.reset()
+    assert not SESSION.shape_following_code
+
+
+def test_backend_records_functions_compiled_with_dynamic_shapes():
+    from graphcomp.session import SESSION
+
+    graphcomp.reset()
+    torch._dynamo.reset()
+
+    def f(x):
+        return (x * 2).sum()
+
+    cf = torch.compile(f, backend="graphcomp")
+    cf(torch.randn(3))
+    assert not SESSION.shape_following_code  # first compile: fixed shapes
+    cf(torch.randn(4))  # a new size: Dynamo recompiles the same function with dynamic shapes
+    assert len(SESSION.shape_following_code) == 1
+    torch._dynamo.reset()
+    graphcomp.reset()

@@ -423,3 +423,40 @@ def test_getitem_stays_with_its_source():
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is operator.getitem:
             assert assign[n] == assign[split_node]
+
+
+def test_tensor_constant_reaches_the_pieces_through_the_glue():
+    """A tensor constant (``get_attr``, e.g. one AOTAutograd lifted from DTensor
+    code in a tensor-parallel graph) is hoisted by split_module into the glue graph
+    and passed to the piece that reads it: the glue runs it (this raised
+    NotImplementedError on 2 GPUs with TP) and the runner plan treats it as a
+    static input (its address never changes), not as an input to copy."""
+    from graphcomp.runtime.codegen import compile_pieces
+    from graphcomp.runtime.static import classify_static_inputs
+
+    def f(x):
+        c = torch.tensor([2.0, 3.0, 4.0])  # traced as a lifted constant (get_attr)
+        return ((x * c).sin() + c,)
+
+    gm = make_fx(f)(torch.randn(3))
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    sin = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sin.default)
+
+    def pred(n):
+        return pg.SplitReason(n.name, "user_split_op", "t") if n is sin else None
+
+    assign, rows, _ = pg.plan_pieces(gm, min_piece_nodes=1, predicate=pred)
+    split = pg.split_graph(gm, assign)
+    assert [n.op for n in split.graph.nodes].count("get_attr") == 1  # hoisted into the glue
+    x0 = torch.tensor([1.0, -1.0, 0.5])
+    ref = gm(x0)
+    plan = SplitPlan("fwd", split, gm, [Piece(r["piece"], r["mode"], r["nodes"], r["reason"]) for r in rows], [])
+    run = compile_pieces(plan, StageInputs(), Config(), lambda p, ins, s: (lambda a: p(*a)))
+    got = run([x0.clone()])
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    captured = {str(n.target) for n in split.graph.nodes if n.op == "call_module"}
+    kinds = classify_static_inputs(split, [], captured, "fwd")
+    consts = [k for name, ks in kinds.items() for k, arg in zip(ks, next(
+        n for n in split.graph.nodes if n.op == "call_module" and str(n.target) == name).args)
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr"]
+    assert consts and all(k == "param" for k in consts), kinds

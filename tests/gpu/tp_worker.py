@@ -151,9 +151,9 @@ def main():
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
     dist.barrier()
-    import graphcomp.runtime
+    import graphcomp.runtime as gc_runtime
 
-    graphcomp.runtime.teardown()  # the captured graphs hold NCCL work: release them first
+    gc_runtime.teardown()  # the captured graphs hold NCCL work: release them first
     dist.destroy_process_group()
 
 
