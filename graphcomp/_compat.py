@@ -351,13 +351,18 @@ def storage_weakref(t: torch.Tensor) -> Any:
     return StorageWeakRef(t.untyped_storage())
 
 
-def pool_tensors(ptr: int, nbytes: int, device: torch.device, views: Sequence[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """Tensors on memory graphcomp's CUDA-graph pool owns, without owning it: one
-    storage over ``nbytes`` at ``ptr`` that frees nothing when it dies (the same
-    private constructor cudagraph trees use for replayed outputs), and one tensor
-    per ``(storage_offset, size, stride, dtype)`` in ``views`` (offsets in elements
-    of that dtype); the views share the one storage."""
-    st = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
+def pool_storage(ptr: int, nbytes: int, device: torch.device) -> Any:
+    """A storage over ``nbytes`` of graphcomp's CUDA-graph pool at ``ptr`` that
+    frees nothing when it dies (the same private constructor cudagraph trees use for
+    replayed outputs). Its ``_cdata`` is a handle for :func:`storage_refs`: 1 while
+    only this object holds it, one more per tensor built on it."""
+    return torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
+
+
+def pool_views(st: Any, device: torch.device, views: Sequence[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """One tensor on storage ``st`` (from :func:`pool_storage`) per
+    ``(storage_offset, size, stride, dtype)`` in ``views`` (offsets in elements of
+    that dtype)."""
     return [torch.empty((0,), dtype=dt, device=device).set_(st, off, size, stride) for off, size, stride, dt in views]
 
 

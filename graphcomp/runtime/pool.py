@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .. import _compat
+
 
 class PoolLedger:
     """Which pool tensors are handed out, and who may overwrite them.
@@ -51,11 +53,12 @@ class PoolLedger:
         if (cap.tracked or cap.released) and cap not in self.entries:
             self.entries.append(cap)
 
-    def conflicts(self, cap: Any, consumed: set[int]) -> list[tuple[Any, list[int]]]:
+    def conflicts(self, cap: Any, args: Sequence[Any]) -> list[tuple[Any, list[int]]]:
         """(capture, live output indices) a replay of ``cap`` would overwrite;
-        forgets captures whose outputs are all dead. ``consumed``: storage pointers of
-        the tensors passed to this call."""
+        forgets captures whose outputs are all dead. ``args``: this call's inputs
+        (their storages are consumed by the call, not overwritten under a reader)."""
         out, keep = [], []
+        consumed: set[int] | None = None
         for c in self.entries:
             if c.seq < cap.seq and not c.orphan and not c.released:
                 keep.append(c)  # owned outputs of an older capture: never in this replay's way
@@ -70,6 +73,8 @@ class PoolLedger:
                 continue
             hit = cap.overwrites.get(c)
             if hit:
+                if consumed is None:
+                    consumed = {_storage_ptr(a) for a in args if isinstance(a, torch.Tensor)}
                 bad = [i for i in alive if c.released_outs.get(i) in hit and c.released_outs[i] not in consumed]
                 if bad:
                     out.append((c, bad))
@@ -120,25 +125,37 @@ def _storage_id(t: torch.Tensor) -> int:
 
 
 class Released:
-    """One pool storage of internal outputs the runner hands out without keeping."""
+    """One pool storage of internal outputs the runner hands out without keeping.
 
-    __slots__ = ("ptr", "nbytes", "device", "owner", "recon", "idxs", "views")
+    ``owner`` is a weak reference to the storage of the tensors the capture
+    allocated (the allocator counts the block as used while it lives); once it has
+    died it stays dead, and is dropped. After the first hand-out, each call's
+    tensors are built on ``st``, one storage over the same memory that owns nothing,
+    kept for the capture's life: a hand-out costs one tensor per view, and "does
+    anyone still hold this call's outputs" is one use count (``st`` alone counts 1)."""
+
+    __slots__ = ("ptr", "nbytes", "device", "owner", "st", "handle", "idxs", "views")
 
     def __init__(self, t: torch.Tensor) -> None:
-        from .. import _compat
-
         st = t.untyped_storage()
         self.ptr, self.nbytes, self.device = st.data_ptr(), st.nbytes(), t.device
-        self.owner = _compat.storage_weakref(t)  # the tensor the capture allocated (owns the block)
-        self.recon: Any = None  # the storage of the latest replay's tensors (owns nothing)
+        self.owner: Any = _compat.storage_weakref(t)  # the tensor the capture allocated (owns the block)
+        self.st: Any = None  # the non-owning storage hand-outs are built on (after the first)
+        self.handle: int | None = None  # its StorageImpl handle (for use counts)
         self.idxs: list[int] = []  # the output indices on this storage, and their views:
         self.views: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []  # (offset, size, stride, dtype)
 
     def owner_alive(self) -> bool:
-        return self.owner is not None and not self.owner.expired()
+        if self.owner is None:
+            return False
+        if self.owner.expired():
+            self.owner = None  # (a storage never comes back)
+            return False
+        return True
 
     def recon_alive(self) -> bool:
-        return self.recon is not None and not self.recon.expired()
+        """A tensor built on ``st`` (by this or an earlier hand-out) is referenced."""
+        return self.handle is not None and _compat.storage_refs(self.handle) > 1
 
     def alive(self) -> bool:
         return self.owner_alive() or self.recon_alive()
@@ -146,6 +163,12 @@ class Released:
     def unsafe(self) -> bool:
         """Held by a user while the allocator counts its memory as free."""
         return self.recon_alive() and not self.owner_alive()
+
+    def handout(self) -> list[torch.Tensor]:
+        if self.st is None:
+            self.st = _compat.pool_storage(self.ptr, self.nbytes, self.device)
+            self.handle = int(self.st._cdata)
+        return _compat.pool_views(self.st, self.device, self.views)
 
 
 class Capture:
@@ -175,8 +198,6 @@ class Capture:
 
     def track_outputs(self, exclude_storages: set[int]) -> None:
         """Track the kept outputs, except those on ``exclude_storages`` (storage ids)."""
-        from .. import _compat
-
         by_storage: dict[int, list[int]] = {}
         for i, o in enumerate(self.outputs):
             if isinstance(o, torch.Tensor) and _storage_id(o) not in exclude_storages:
@@ -229,19 +250,13 @@ class Capture:
         if self.first is not None:
             first, self.first = self.first, None
             return first
-        from .. import _compat
-
         out: dict[int, torch.Tensor] = {}
         for rel in self.released.values():
-            ts = _compat.pool_tensors(rel.ptr, rel.nbytes, rel.device, rel.views)
-            rel.recon = _compat.storage_weakref(ts[0])
-            out.update(zip(rel.idxs, ts))
+            out.update(zip(rel.idxs, rel.handout()))
         return out
 
     def alive_outputs(self) -> list[int]:
         """Indices of handed-out outputs something outside the runner still holds."""
-        from .. import _compat
-
         alive = [i for h, base, idxs in self.tracked if _compat.storage_refs(h) > base for i in idxs]
         for rel in self.released.values():
             if rel.alive():

@@ -37,7 +37,7 @@ still referenced:
 Released outputs (memory). A runner keeps no reference to its *internal*
 outputs (saved activations, values for the next piece): the capture call hands
 out the tensors the capture allocated, later replays hand out new tensors built
-on the same pool memory without owning it (``_compat.pool_tensors``). So when the
+on the same pool memory without owning it (``_compat.pool_storage``, ``_compat.pool_views``). So when the
 consumer (the backward) is captured, the activations it frees are free in the
 pool and its own buffers (gradients, scratch) reuse them, as they would without
 CUDA graphs. A replay of the consumer overwrites that memory after its last read;
@@ -72,10 +72,14 @@ REENTRY_LIMIT = 3  # a piece that falls back this often turns eager for good (se
 
 
 def signature(args: Sequence[Any]) -> tuple[Any, ...]:
+    """The key of a call's capture: per tensor its shape, strides, dtype, device and
+    requires_grad; per other value its type and value (run before every replay:
+    kept to attribute reads, no conversions)."""
     sig = []
+    Tensor = torch.Tensor
     for a in args:
-        if isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.requires_grad))
+        if isinstance(a, Tensor):
+            sig.append((a.shape, a.stride(), a.dtype, a.device, a.requires_grad))
         elif isinstance(a, (int, float, bool, str, type(None))):
             sig.append(("s", type(a).__name__, a))
         else:
@@ -384,8 +388,7 @@ class CudaGraphRunner:
         "eager" (its own internal outputs are alive, or a released output in memory it
         was captured over) or "recapture" (see the module docstring; visible outputs
         found alive switch their piece to copying)."""
-        consumed = {_storage_ptr(a) for a in args if isinstance(a, torch.Tensor)}
-        conflicts = RUNTIME.ledger.conflicts(cap, consumed)
+        conflicts = RUNTIME.ledger.conflicts(cap, args)
         if not conflicts:
             return None
         for c, alive in conflicts:

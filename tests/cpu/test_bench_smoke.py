@@ -280,3 +280,22 @@ def test_checkpointing_variants_and_memory_cap_arguments():
     with pytest.raises(SystemExit, match="--memory-cap 70.0: needs a CUDA device"):
         run.main(["--workload", "smoke", "--systems", "fsdp2", "--memory-cap", "70", "--cpu"])
     assert dataclasses.fields(Ctx)[-1].name == "memory_cap_bytes"
+
+
+def test_runner_overhead_benchmark_times_the_replay_path():
+    """benchmarks/runner_overhead.py times replays (no eager fallbacks, released
+    outputs handed out every call), or its number would mean something else; it
+    puts the runtime's device back."""
+    import graphcomp
+    from benchmarks import runner_overhead
+    from graphcomp import runtime
+
+    graphcomp.reset()
+    device = runtime.RUNTIME.device
+    us = runner_overhead.run(30, 8, 4)
+    c = graphcomp.counters
+    assert us > 0
+    assert c["replays"] >= 2 * 30 and c["captures"] == 2, dict(c)
+    assert c["cudagraph_fallbacks"] == 0 and c["pieces_turned_eager"] == 0, dict(c)
+    assert runtime.RUNTIME.device is device
+    graphcomp.reset()
