@@ -18,6 +18,8 @@
 #   PROFILE=0         no profiler idle share (default: 3 extra profiled steps per system)
 #   TRACE=sys1,sys2   also write rank 0's Chrome trace of the profiled steps for these systems
 #   HF_SIZE           hf-* runs: --hf-size (default: the workloads' own, small)
+#   TP                tensor-parallel degree for every run (--tp; default 1): W2:2 with TP=2 is
+#                     graphcomp vs FSDP2 + TP + compile on a (1, 2) mesh
 #   BENCH_GIT_COMMIT  the commit to record (the GPU machine's copy has no .git)
 #   BENCH_NGPU        pretend this many GPUs (dry run on a CPU machine: smoke:2 runs on gloo)
 #
@@ -127,6 +129,7 @@ for run in "${RUNS[@]}"; do
   [ "$PROFILE" = "1" ] && extra+=(--profile --profile-steps 3)
   [ "$PROFILE" = "1" ] && [ -n "${TRACE:-}" ] && extra+=(--trace "$TRACE")
   [ -n "${HF_SIZE:-}" ] && [[ "$W" == hf-* ]] && extra+=(--hf-size "$HF_SIZE")
+  [ "${TP:-1}" -gt 1 ] && extra+=(--tp "$TP")
   CUDA_VISIBLE_DEVICES=$devs timeout -k 20 $(( L - 10 )) \
     python3 -m torch.distributed.run --standalone --nproc-per-node "$N" -m benchmarks.run \
       --workload "$W" --warmup "$WARMUP" --steps "$STEPS" --systems "$S" --out-dir "$RES" \
