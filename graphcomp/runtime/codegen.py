@@ -22,6 +22,7 @@ for AOTAutograd:
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -145,46 +146,74 @@ def compile_pieces(
 
 def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
     """A boxed callable that runs the glue graph of ``split`` (placeholders, piece
-    calls, getitems, the output) without keeping any value past its last use."""
+    calls, getitems, the output) without keeping any value past its last use.
+
+    A ``getitem`` of a piece's output tuple is not a step of its own: the piece's
+    step unpacks the tuple straight into the values its getitems name (unused
+    getitems are skipped), and the tuple itself is kept only while a node other
+    than those getitems reads it (the glue runs before every replay: its Python per
+    call is the host's)."""
     nodes = list(split.graph.nodes)
+    absorbed: dict[fx.Node, list[tuple[fx.Node, int]]] = {}  # piece node -> [(getitem node, index)]
+    skip: set[fx.Node] = set()
+    for n in nodes:
+        if (n.op == "call_function" and n.target is operator.getitem and not n.kwargs
+                and isinstance(n.args[0], fx.Node) and n.args[0].op == "call_module" and isinstance(n.args[1], int)
+                and not getattr(split, str(n.args[0].target)).single):
+            skip.add(n)
+            if n.users:
+                absorbed.setdefault(n.args[0], []).append((n, n.args[1]))
     last: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
+        if n in skip:
+            continue
         for a in n.all_input_nodes:
             last[a] = i
-    steps: list[tuple[str, fx.Node, Any, list[fx.Node]]] = []
+    steps: list[tuple[str, fx.Node, Any, list[fx.Node], Any]] = []
     for i, n in enumerate(nodes):
+        if n in skip:
+            continue
         dead = [a for a in n.all_input_nodes if last[a] == i]  # (all_input_nodes has no repeats)
         if n.op == "call_module":
             mod = getattr(split, str(n.target))
-            steps.append(("piece", n, mod, dead))
+            # (the tuple itself is kept only for a reader other than its getitems)
+            steps.append(("piece", n, mod, dead, (absorbed.get(n, []), n in last)))
         elif n.op == "call_function":
-            steps.append(("fn", n, n.target, dead))
+            steps.append(("fn", n, n.target, dead, None))
         elif n.op == "get_attr":
             # a tensor constant split_module hoisted out of the piece that reads it
-            steps.append(("attr", n, graph_utils.attr_value(split, str(n.target)), dead))
+            steps.append(("attr", n, graph_utils.attr_value(split, str(n.target)), dead, None))
         elif n.op == "output":
-            steps.append(("out", n, None, dead))
+            steps.append(("out", n, None, dead, None))
         elif n.op != "placeholder":
             raise NotImplementedError(f"graphcomp: glue graph node {n.format_node()} ({n.op}) is not supported")
     placeholders = [n for n in nodes if n.op == "placeholder"]
     unused = [p for p in placeholders if p not in last]
+    map_arg = fx.node.map_arg
 
     def run(args: list[Any]) -> Any:
         env: dict[fx.Node, Any] = dict(zip(placeholders, args))
         args.clear()
         for p in unused:
             del env[p]
-        for kind, n, target, dead in steps:
+        for kind, n, target, dead, extra in steps:
             if kind == "piece":
-                vals = list(fx.node.map_arg(n.args, env.__getitem__))
+                vals = list(map_arg(n.args, env.__getitem__))
                 for d in dead:
                     del env[d]
                 res = target.impl.call(vals)
-                env[n] = res[0] if target.single else res
+                if target.single:
+                    env[n] = res[0]
+                else:
+                    unpack, keep = extra
+                    for g, k in unpack:
+                        env[g] = res[k]
+                    if keep:
+                        env[n] = res
                 del res, vals  # (no local may keep a value past its last use)
             elif kind == "fn":
-                a = fx.node.map_arg(n.args, env.__getitem__)
-                kw = fx.node.map_arg(n.kwargs, env.__getitem__)
+                a = map_arg(n.args, env.__getitem__)
+                kw = map_arg(n.kwargs, env.__getitem__)
                 for d in dead:
                     del env[d]
                 env[n] = target(*a, **kw)
@@ -192,7 +221,7 @@ def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
             elif kind == "attr":
                 env[n] = target
             else:
-                return fx.node.map_arg(n.args[0], env.__getitem__)
+                return map_arg(n.args[0], env.__getitem__)
         raise AssertionError("graphcomp: glue graph without an output node")
 
     run._boxed_call = True  # type: ignore[attr-defined]

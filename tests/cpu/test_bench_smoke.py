@@ -299,3 +299,15 @@ def test_runner_overhead_benchmark_times_the_replay_path():
     assert c["cudagraph_fallbacks"] == 0 and c["pieces_turned_eager"] == 0, dict(c)
     assert runtime.RUNTIME.device is device
     graphcomp.reset()
+
+
+def test_call_overhead_benchmark_runs_the_replay_path():
+    """benchmarks/call_overhead.py (host cost of a compiled step, replays doing
+    nothing) runs, and refuses to print a number unless every call replayed."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.call_overhead", "--steps", "3", "--layers", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "host cost:" in out.stdout and "us per step" in out.stdout, out.stdout

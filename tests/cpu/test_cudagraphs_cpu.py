@@ -648,3 +648,38 @@ def test_backend_records_functions_compiled_with_dynamic_shapes():
     assert len(SESSION.shape_following_code) == 1
     torch._dynamo.reset()
     graphcomp.reset()
+
+
+def test_glue_unpacks_piece_tuples_and_keeps_one_read_whole():
+    """The glue unpacks a piece's tuple into its getitems (no step per getitem);
+    a tuple also read whole by another node is passed whole; an unused getitem is
+    never evaluated."""
+    from graphcomp.runtime.codegen import run_glue
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    p0 = g.call_module("piece_0", (x,))
+    a = g.call_function(operator.getitem, (p0, 0))
+    g.call_function(operator.getitem, (p0, 2))  # unused
+    b = g.call_function(operator.getitem, (p0, 1))
+    whole = g.call_function(len, (p0,))
+    p1 = g.call_module("piece_1", (b, a))
+    c = g.call_function(operator.getitem, (p1, 0))
+    g.output((c, whole))
+
+    class Piece(torch.nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.impl, self.single, self.fn = self, False, fn
+
+        def call(self, args):
+            res = self.fn(*args)
+            args.clear()
+            return res
+
+    root = torch.nn.Module()
+    root.piece_0 = Piece(lambda x: (x + 1, x * 2, x - 5))
+    root.piece_1 = Piece(lambda b, a: (b - a,))
+    run = run_glue(torch.fx.GraphModule(root, g))
+    out = run([torch.full((2,), 3.0)])
+    assert out[0].tolist() == [2.0, 2.0] and out[1] == 3

@@ -1,0 +1,107 @@
+"""Host cost of one training step through graphcomp, without a GPU: W1's structure
+(12 layers, so W1's ~110 sharded parameters) at tiny sizes, on one gloo rank, its
+graphs split and every piece run through the real CUDA-graph runtime on a stand-in
+device whose replay does nothing. What is left is the host work of a step: Dynamo's
+guards, AOTAutograd's runtime wrappers (DTensor parameters unwrapped each call),
+graphcomp's glue and runners, the autograd engine.
+
+    python -m benchmarks.call_overhead [--steps 300] [--layers 12] [--profile]
+
+Prints microseconds per step (forward + backward, no optimizer) and, with
+``--profile``, the top of a cProfile by cumulative time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import socket
+import time
+import warnings
+
+
+def _init_world1() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def run(steps: int, layers: int, profile: bool = False) -> float:
+    import torch
+
+    import graphcomp
+    import graphcomp.passes.partition_graph as pg
+    from graphcomp import runtime
+    from graphcomp.models import Llama, get_config
+
+    from .runner_overhead import NullDevice
+
+    _init_world1()
+    torch._dynamo.reset()
+    graphcomp.reset()
+    real_dev, real_has, real_why = runtime.RUNTIME.device, pg.has_cuda_tensors, pg.uncapturable_reason
+    runtime.RUNTIME.device = NullDevice()  # type: ignore[assignment]
+    pg.has_cuda_tensors = lambda gm: True  # split the CPU graphs as CUDA ones
+
+    def why(node, split_ops=()):  # (CPU tensors are what this run captures)
+        r = real_why(node, split_ops)
+        return None if r is not None and r.kind in ("cpu", "device_copy") else r
+
+    pg.uncapturable_reason = why
+    try:
+        torch.manual_seed(0)
+        m = Llama(get_config("tiny").with_(n_layers=layers))
+        graphcomp.shard(m)
+        cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager"})
+        tok = torch.randint(0, 131, (1, 16))
+        params = list(m.parameters())
+        warm = 5
+        t0 = 0.0
+        prof = cProfile.Profile() if profile else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for s in range(steps + warm):
+                if s == warm:
+                    t0 = time.perf_counter()
+                    if prof is not None:
+                        prof.enable()
+                loss = cm(tok, tok)
+                loss.backward()
+                del loss
+                for p in params:
+                    p.grad = None
+        dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+        c = graphcomp.counters
+        if c.get("replays", 0) < 2 * steps or c.get("cudagraph_fallbacks", 0):
+            raise RuntimeError(f"benchmark did not time the replay path: {dict(c)}")
+    finally:
+        runtime.reset()
+        runtime.RUNTIME.device = real_dev
+        pg.has_cuda_tensors, pg.uncapturable_reason = real_has, real_why
+    return dt / steps * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    us = run(a.steps, a.layers, a.profile)
+    print(f"host cost: {us:.1f} us per step (forward + backward, {a.layers} layers, replays do nothing)")
+
+
+if __name__ == "__main__":
+    main()
