@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -205,11 +206,10 @@ def fake_cuda(monkeypatch):
     next(gen, None)
 
 
-@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
-def test_cudagraph_steady_state_bf16(world1, fake_cuda, family):
-    """bf16 training with the family's default dropout, a standard loop
-    (backward, clip, AdamW, zero_grad): every piece captured once, then replayed,
-    with no eager fallback and no re-capture after the first steps."""
+def _bf16_steps(family: str, steps: int, seed: Any, clip: bool) -> dict:
+    """Build the family's tiny model, shard it (bf16 gathers), compile it (eager
+    codegen) and train ``steps`` AdamW steps on batches ``seed(step)``; returns the
+    counters after step 3 (warm-up: the first step captures, the next ones settle)."""
     import graphcomp
 
     torch._dynamo.reset()
@@ -218,18 +218,30 @@ def test_cudagraph_steady_state_bf16(world1, fake_cuda, family):
     graphcomp.shard(m, param_dtype=torch.bfloat16)
     cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager"})
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    warm = None
+    warm: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for s in range(8):
-            loss = cm(**zoo.make_batch(m, 2, SEQ, seed=s)).loss
+        for s in range(steps):
+            loss = cm(**zoo.make_batch(m, 2, SEQ, seed=seed(s))).loss
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
             assert torch.isfinite(loss)
-            if s == 3:  # warm-up: the first step captures, the next ones settle (hazard re-captures)
+            if s == 3:
                 warm = dict(graphcomp.counters)
+    return warm
+
+
+@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
+def test_cudagraph_steady_state_bf16(world1, fake_cuda, family):
+    """bf16 training with the family's default dropout, a standard loop
+    (backward, clip, AdamW, zero_grad): every piece captured once, then replayed,
+    with no eager fallback and no re-capture after the first steps."""
+    import graphcomp
+
+    warm = _bf16_steps(family, 8, seed=lambda s: s, clip=True)
     c = graphcomp.counters
     for k in ("cudagraph_fallbacks", "recaptures", "hazard_recaptures", "captures", "capture_failures"):
         assert c[k] == warm.get(k, 0), (family, k, dict(c))
@@ -255,22 +267,7 @@ def _steady_2ranks(rank: int, world: int, family: str, steps: int) -> dict:
     next(gen)
     install_pretend_cuda(mp)
     try:
-        torch._dynamo.reset()
-        graphcomp.reset()
-        m = zoo.build_model(family, "tiny", seed=0)
-        graphcomp.shard(m, param_dtype=torch.bfloat16)
-        cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager"})
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        warm = None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for s in range(steps):
-                loss = cm(**zoo.make_batch(m, 2, SEQ, seed=1000 * rank + s)).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                if s == 3:
-                    warm = dict(graphcomp.counters)
+        warm = _bf16_steps(family, steps, seed=lambda s: 1000 * rank + s, clip=False)
         return {"warm": warm, "end": dict(graphcomp.counters)}
     finally:
         next(gen, None)

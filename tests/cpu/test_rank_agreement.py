@@ -12,34 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from _agree_models import ThreePart
 from _dist import DistPool
 
 WAIT_S = 60.0  # the bar: both ranks raise within this
-
-
-class Weights(nn.Module):
-    """Weights of distinct shapes, so each gather is recognisable by its bytes (held
-    by a child module whose forward never runs: every read gathers on use, in the
-    compiled graph)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.randn(8, 8))
-        self.w2 = nn.Parameter(torch.randn(8, 8) * 0.1)
-        self.w3 = nn.Parameter(torch.randn(6, 8))
-
-
-class ThreePart(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.p = Weights()
-        self.extra = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x @ self.p.w1
-        if self.extra:
-            x = x + (self.p.w3.sum(0) * 0.0)  # EXTRA-READ: only one rank reads w3
-        return (x @ self.p.w2).sum()
 
 
 def _run(rank: int, world: int, extra_rank: int | None, options: dict, compile_: bool = True) -> dict:
@@ -87,7 +63,7 @@ def test_one_rank_reads_an_extra_weight_both_raise_naming_it(ranks2):
         msg = r["error"]
         assert "ranks disagree on the collectives of the fwd graph" in msg, msg
         assert "collective #1 differs" in msg, msg  # w1's gather agrees; then w3 (rank 1) vs w2 (rank 0)
-        assert "EXTRA-READ" in msg and "test_rank_agreement.py" in msg, msg  # the source line of the read
+        assert "EXTRA-READ" in msg and "_agree_models.py" in msg, msg  # the source line of the read
         assert "all_gather float32 192 B" in msg and "all_gather float32 256 B" in msg, msg
 
 
@@ -97,7 +73,7 @@ def test_divergence_with_bucketing_names_the_bucket(ranks2):
         assert r.get("ours") and r["seconds"] < WAIT_S, r
         assert "collective #0 differs" in r["error"] and "bucket=joint:ag0" in r["error"], r
         assert "all_gather float32 512 B" in r["error"] and "all_gather float32 704 B" in r["error"], r
-        assert "test_rank_agreement.py" in r["error"], r  # a bucket is issued at its first member's line
+        assert "_agree_models.py" in r["error"], r  # a bucket is issued at its first member's line
 
 
 def test_a_rank_that_never_compiles_is_named_after_the_timeout(ranks2):

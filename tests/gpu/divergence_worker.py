@@ -18,30 +18,13 @@ import os
 import sys
 import time
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
-from torch import nn
 
-
-class Weights(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.randn(64, 64))
-        self.w2 = nn.Parameter(torch.randn(64, 64) * 0.1)
-        self.w3 = nn.Parameter(torch.randn(48, 64))
-
-
-class ThreePart(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.p = Weights()
-        self.extra = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x @ self.p.w1
-        if self.extra:
-            x = x + (self.p.w3.sum(0) * 0.0)  # EXTRA-READ: only one rank reads w3
-        return (x @ self.p.w2).sum()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+from _agree_models import ThreePart  # noqa: E402  (the CPU rank-agreement tests' model)
 
 
 def main() -> None:
@@ -57,7 +40,7 @@ def main() -> None:
     from graphcomp.errors import RankDivergence
 
     torch.manual_seed(0)
-    m = ThreePart().to(dev)
+    m = ThreePart(64).to(dev)
     graphcomp.shard(m)
     m.extra = scenario == "diverge" and rank == 1
     cm = torch.compile(m, backend="graphcomp")

@@ -31,7 +31,7 @@ def test_divergent_ranks_both_raise_naming_the_read(tmp_path):
         assert "ranks disagree on the collectives of the fwd graph" in msg, msg
         # (bucketing on by default: the three gathers are one bucket, issued at its first member's line)
         assert "collective #0 differs" in msg and "bucket=joint:ag0" in msg, msg
-        assert "divergence_worker.py" in msg and "x = x @ self.p.w1" in msg, msg
+        assert "_agree_models.py" in msg and "x = x @ self.p.w1" in msg, msg
 
 
 def test_matching_ranks_train_with_cuda_graphs(tmp_path):
