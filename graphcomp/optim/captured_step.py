@@ -343,8 +343,13 @@ class CapturedStep:
         RUNTIME.ensure()
         RUNTIME.register_owner(self)
         dev = RUNTIME.device
-        if self._pool is None:
-            self._pool = dev.pool_handle()  # private: temporaries never overlap the shared pool's tensors
+        # a private pool (temporaries never overlap the shared pool's tensors), new for
+        # every capture: torch asserts (CachingHostAllocator / CUDACachingAllocator,
+        # "it->second->use_count > 0" in beginAllocateToPool) when a capture reuses a
+        # pool id whose graphs were all reset while its blocks are still held (the
+        # previous capture's norm and skip buffers): what failed the re-capture after
+        # gradients moved in the 1-GPU soak. The old pool goes back once its tensors die.
+        self._pool = dev.pool_handle()
         self._with_grad = self._step_params = with_grad
         if self._copy_mode:
             self._make_grad_buffers()

@@ -43,6 +43,7 @@ class StandInGraph:
         self.skip_next = False
         self.was_reset = False
         self.inputs = None
+        self.pool = None
 
     def replay(self):
         assert not self.was_reset
@@ -62,9 +63,12 @@ class StandInDevice(manager.CudaDevice):
     def __init__(self):
         self.if_nodes = 0
         self.captures = 0
+        self.pools = 0
+        self.graphs_by_pool = {}  # pool id -> graphs captured into it
 
     def pool_handle(self):
-        return ("private-pool", id(self))
+        self.pools += 1
+        return ("private-pool", id(self), self.pools)
 
     def new_stream(self):
         return object()
@@ -82,6 +86,13 @@ class StandInDevice(manager.CudaDevice):
         return StandInGraph()
 
     def capture(self, g, pool, stream, fn, inputs, replay_inputs):
+        # torch's rule (CUDACachingAllocator / CachingHostAllocator beginAllocateToPool):
+        # a capture into a pool id that graphs used before needs one of them alive
+        used = self.graphs_by_pool.setdefault(pool, [])
+        if used and all(x.was_reset for x in used):
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (stand-in: a capture into a pool "
+                               "whose graphs were all reset)")
+        used.append(g)
         g.fn = fn
         g.inputs = graph_inputs(fn.__self__)
         self.captures += 1
