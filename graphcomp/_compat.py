@@ -118,6 +118,17 @@ def dynamo_compile_id() -> tuple[int, int] | None:
     return int(cid.frame_id), int(getattr(cid, "frame_compile_id", 0) or 0)
 
 
+def dynamo_compile_context() -> Any:
+    """The object standing for the Dynamo compile in progress (one per compile of a
+    frame: the graphs of one frame split at graph breaks share it), or None."""
+    try:
+        from torch._guards import CompileContext
+
+        return CompileContext.try_get()
+    except Exception:
+        return None
+
+
 def is_recompile() -> bool:
     """True when Dynamo is compiling a frame it has compiled before (a guard failed)."""
     try:

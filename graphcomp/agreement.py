@@ -166,11 +166,28 @@ def _wait_for(store: Any, key: str, timeout_s: float, g: str, r: int, mine: dict
 
 
 def note_frame() -> None:
-    """Called for every frame the backend compiles: Dynamo's first compile after a
-    start or ``torch._dynamo.reset()`` (compile id 0/0) opens a new epoch, so that
-    frame ids that restart at 0 never meet the store entries of the previous epoch."""
-    if _compat.dynamo_compile_id() == (0, 0):
-        SESSION.agree_seq["epoch"] = SESSION.agree_seq.get("epoch", 0) + 1
+    """Called for every graph the backend compiles: after ``torch._dynamo.reset()``
+    Dynamo's frame ids restart at 0, and a new epoch begins, so that the new
+    compiles' keys never meet the previous epoch's store entries (a stale entry of
+    the same frame id read as a divergence on one rank while the other went on: a
+    hang). A reset is seen as the first compile (compile number 0) of a frame id at
+    or below the highest one compiled so far: Dynamo numbers new code objects
+    upwards, so only a restart gives an old id a first compile again. (Dynamo's
+    frame 0 need not reach the backend: a graph break before any op, HF Mixtral's
+    eager experts loop; several graphs of one compile, split at graph breaks, call
+    this once each with the same id.)"""
+    cid = _compat.dynamo_compile_id()
+    if cid is None:
+        return
+    ctx = _compat.dynamo_compile_context()
+    if ctx is not None and ctx is SESSION.agree_compile:
+        return  # another graph of the same Dynamo compile
+    SESSION.agree_compile = ctx
+    seq = SESSION.agree_seq
+    if cid[1] == 0 and cid[0] <= seq.get("max_frame", -1):
+        seq["epoch"] = seq.get("epoch", 0) + 1
+        seq["max_frame"] = cid[0]
+    seq["max_frame"] = max(seq.get("max_frame", -1), cid[0])
 
 
 def check_compiled(frame_id: int, stage: str, colls: list[dict[str, Any]], cfg: Any) -> None:

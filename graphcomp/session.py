@@ -103,6 +103,7 @@ class Session:
         # keys they number outlive a reset, so numbering must not restart (a stale key
         # of an earlier check would be read as this one's)
         self.agree_seq: dict[str, int] = {}
+        self.agree_compile: Any = None  # the Dynamo compile agreement last saw (agreement.note_frame)
         # Dynamo ids of the functions (code objects) compiled at least once with dynamic
         # shapes: every CUDA-graph piece of such a function, fixed-shape
         # specializations included, follows the data (CudaGraphRunner.follows_data)

@@ -168,3 +168,47 @@ def test_debug_mode_checks_eager_gathers():
         assert "ranks disagree on the collectives of eager code" in r["error"], r
         assert "shape [1]" in r["error"] and "shape [2]" in r["error"], r  # c.bias's shard (rank 0) vs b.bias's
         assert "DATA-DEPENDENT" in r["error"] or "test_rank_agreement.py" in r["error"], r
+
+
+class _BreakFirst(nn.Module):
+    """A graph break before any op: Dynamo's frame 0 (this forward) calls no
+    backend; the first graph graphcomp compiles is Dynamo's frame 1."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return self.inner(x)
+
+
+def _two_runs_after_reset(rank: int, world: int) -> dict:
+    import graphcomp
+
+    out = {}
+    for dtype in (None, torch.bfloat16):  # other collectives (fp32, then bf16 gathers), same frame ids
+        torch._dynamo.reset()
+        graphcomp.reset()
+        torch.manual_seed(0)
+        m = ThreePart()
+        graphcomp.shard(m, param_dtype=dtype)
+        cm = torch.compile(_BreakFirst(m), backend="graphcomp", options={"codegen": "eager"})
+        try:
+            loss = cm(torch.randn(4, 8, dtype=dtype or torch.float32))
+            loss.backward()
+            out[str(dtype)] = float(loss)
+        except Exception as e:  # noqa: BLE001
+            out[str(dtype)] = f"{type(e).__name__}: {e}"[:600]
+    return out
+
+
+def test_a_dynamo_reset_starts_a_new_agreement_epoch(ranks2):
+    """After torch._dynamo.reset(), Dynamo's frame ids restart: the agreement keys of
+    the new compiles must not meet the previous run's entries (a different dtype
+    there read as a divergence). Caught when Dynamo's frame 0 calls no backend (the
+    epoch used to advance only on compile id 0/0; HF Mixtral's eager experts loop
+    and this graph break both do that)."""
+    for r in ranks2.run(_two_runs_after_reset, timeout=240):
+        for k, v in r.items():
+            assert isinstance(v, float), (k, v)
