@@ -57,6 +57,7 @@ class Runtime:
         self.ledger = PoolLedger()
         self.static_storages: set[int] = set()  # storage pointers of "param" inputs seen at capture
         self.pinned: list[tuple[Any, Any, list[Any]]] = []  # (pool, token, captures) kept alive by teardown
+        self._pool_pin: Any = None  # (pool, token): the shared pool's own use while graphs may capture into it
 
     # ------------------------------------------------------------- set-up
     def ensure(self) -> None:
@@ -75,6 +76,24 @@ class Runtime:
             _compat.wrap_destroy_process_group()
             _register_atexit()
             self._setup_done = True
+
+    def keep_pool(self) -> None:
+        """Before a capture into the shared pool: hold one use of it for as long as
+        pieces may capture into it (until teardown). torch's allocator asserts
+        (``use_count > 0`` in ``beginAllocateToPool``) when a capture reuses a pool
+        whose graphs were all reset while its blocks are still held: a piece that is
+        the only graph in the pool, re-captured while a user holds its outputs."""
+        if self._pool_pin is None and self.pool is not None:
+            self._pool_pin = (self.pool, self.device.pin_pool(self.pool))
+
+    def _drop_pool_pin(self) -> None:
+        if self._pool_pin is not None:
+            pool, token = self._pool_pin
+            self._pool_pin = None
+            try:
+                self.device.unpin_pool(pool, token)
+            except Exception as e:  # pragma: no cover
+                log.warning("graphcomp: releasing the CUDA-graph pool's own use failed: %s", e)
 
     def register(self, runner: Any) -> None:
         self.runners.add(runner)
@@ -143,6 +162,7 @@ class Runtime:
                 pass
         if n:
             log.info("graphcomp: released %d CUDA graph(s)", n)
+        self._drop_pool_pin()  # (outputs still held keep the pool through self.pinned, above)
         self.ledger.clear()
         return n
 

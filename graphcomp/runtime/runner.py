@@ -257,6 +257,7 @@ class CudaGraphRunner:
                 static_in[i] = None
             args.clear()
             try:
+                RUNTIME.keep_pool()
                 outs = dev.capture(g, RUNTIME.pool, stream, self.fn, ins, static_in)
             except Exception as e:  # noqa: BLE001
                 self._disable(f"capture failed after a successful trial capture: {type(e).__name__}: {e}")

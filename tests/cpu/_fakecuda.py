@@ -81,9 +81,12 @@ class FakeDevice(manager.CudaDevice):
         self.pins = []
         self.trials = 0
         self.in_capture = False
+        self.pools = 0
+        self.graphs_by_pool = {}  # pool -> graphs captured into it
 
     def pool_handle(self):
-        return ("pool",)
+        self.pools += 1
+        return ("pool", self.pools)
 
     def new_stream(self):
         return object()
@@ -106,6 +109,13 @@ class FakeDevice(manager.CudaDevice):
         death is what frees the memory (tracked by weak reference)."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
+        # torch's rule (CUDACachingAllocator beginAllocateToPool): a capture into a pool
+        # id that graphs used before needs one of them alive, or a pin of the pool
+        used = self.graphs_by_pool.setdefault(pool, [])
+        if used and all(x.released for x in used) and pool not in self.pins:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (stand-in: a capture into a pool "
+                               "whose graphs were all reset, not pinned)")
+        used.append(g)
         g.fn, g.inputs = fn, replay_inputs
         g.first_inputs = list(inputs)
         refs = [StorageWeakRef(a.untyped_storage()) for a in inputs if isinstance(a, torch.Tensor)]

@@ -501,7 +501,7 @@ def test_teardown_keeps_the_pool_while_a_released_output_is_held(fake_device):
     bwd.call([fwd(w, x)[0]])
     (h,) = fwd(w, x)
     assert runtime.teardown() == 2
-    assert fake_device.pins == [("pool",)]  # h's memory must not go back to the device
+    assert fake_device.pins == [runtime.RUNTIME.pool]  # h's memory must not go back to the device
     torch.testing.assert_close(h, (x @ w).relu(), rtol=0, atol=0)
     del h
     runtime.teardown()
