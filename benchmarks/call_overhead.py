@@ -36,27 +36,29 @@ def _init_world1() -> None:
 
 
 def run(steps: int, layers: int, profile: bool = False) -> float:
+    import sys
+    from pathlib import Path
+
     import torch
+    from _pytest.monkeypatch import MonkeyPatch
 
     import graphcomp
-    import graphcomp.passes.partition_graph as pg
     from graphcomp import runtime
     from graphcomp.models import Llama, get_config
 
     from .runner_overhead import NullDevice
 
+    # the CPU tests' switch that splits CPU graphs and captures them as CUDA ones
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "cpu"))
+    from _fakecuda import install_pretend_cuda
+
     _init_world1()
     torch._dynamo.reset()
     graphcomp.reset()
-    real_dev, real_has, real_why = runtime.RUNTIME.device, pg.has_cuda_tensors, pg.uncapturable_reason
+    real_dev = runtime.RUNTIME.device
     runtime.RUNTIME.device = NullDevice()  # type: ignore[assignment]
-    pg.has_cuda_tensors = lambda gm: True  # split the CPU graphs as CUDA ones
-
-    def why(node, split_ops=()):  # (CPU tensors are what this run captures)
-        r = real_why(node, split_ops)
-        return None if r is not None and r.kind in ("cpu", "device_copy") else r
-
-    pg.uncapturable_reason = why
+    mp = MonkeyPatch()
+    install_pretend_cuda(mp)
     try:
         torch.manual_seed(0)
         m = Llama(get_config("tiny").with_(n_layers=layers))
@@ -89,7 +91,7 @@ def run(steps: int, layers: int, profile: bool = False) -> float:
     finally:
         runtime.reset()
         runtime.RUNTIME.device = real_dev
-        pg.has_cuda_tensors, pg.uncapturable_reason = real_has, real_why
+        mp.undo()
     return dt / steps * 1e6
 
 

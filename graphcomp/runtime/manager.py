@@ -143,8 +143,10 @@ class Runtime:
         held = self.ledger.unsafe()
         if held and self.pool is not None:
             try:
-                token = self.device.pin_pool(self.pool)
-                self.pinned.append((self.pool, token, held))
+                # the pool's own use (keep_pool) now keeps it for the held outputs
+                pool, token = self._pool_pin or (self.pool, self.device.pin_pool(self.pool))
+                self._pool_pin = None
+                self.pinned.append((pool, token, held))
                 log.info("graphcomp: teardown: %d piece(s) still have outputs referenced in the CUDA-graph pool; "
                          "the pool's memory stays reserved until they die", len(held))
             except Exception as e:  # pragma: no cover
@@ -162,7 +164,7 @@ class Runtime:
                 pass
         if n:
             log.info("graphcomp: released %d CUDA graph(s)", n)
-        self._drop_pool_pin()  # (outputs still held keep the pool through self.pinned, above)
+        self._drop_pool_pin()  # (unless held outputs took it over, above)
         self.ledger.clear()
         return n
 

@@ -134,14 +134,13 @@ class Released:
     kept for the capture's life: a hand-out costs one tensor per view, and "does
     anyone still hold this call's outputs" is one use count (``st`` alone counts 1)."""
 
-    __slots__ = ("ptr", "nbytes", "device", "owner", "st", "handle", "idxs", "views")
+    __slots__ = ("ptr", "nbytes", "device", "owner", "st", "idxs", "views")
 
     def __init__(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         self.ptr, self.nbytes, self.device = st.data_ptr(), st.nbytes(), t.device
         self.owner: Any = _compat.storage_weakref(t)  # the tensor the capture allocated (owns the block)
         self.st: Any = None  # the non-owning storage hand-outs are built on (after the first)
-        self.handle: int | None = None  # its StorageImpl handle (for use counts)
         self.idxs: list[int] = []  # the output indices on this storage, and their views:
         self.views: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []  # (offset, size, stride, dtype)
 
@@ -155,7 +154,7 @@ class Released:
 
     def recon_alive(self) -> bool:
         """A tensor built on ``st`` (by this or an earlier hand-out) is referenced."""
-        return self.handle is not None and _compat.storage_refs(self.handle) > 1
+        return self.st is not None and _compat.storage_refs(self.st._cdata) > 1
 
     def alive(self) -> bool:
         return self.owner_alive() or self.recon_alive()
@@ -167,7 +166,6 @@ class Released:
     def handout(self) -> list[torch.Tensor]:
         if self.st is None:
             self.st = _compat.pool_storage(self.ptr, self.nbytes, self.device)
-            self.handle = int(self.st._cdata)
         return _compat.pool_views(self.st, self.device, self.views)
 
 
