@@ -194,3 +194,21 @@ def install_pretend_cuda(monkeypatch):
 
     monkeypatch.setattr(pg, "uncapturable_reason", pred)
     monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+
+
+@contextlib.contextmanager
+def fake_cuda_runtime():
+    """Both of the above outside a pytest fixture (a DistPool rank's task): CPU graphs
+    split as CUDA ones, their pieces captured and replayed on the stand-in device;
+    everything undone on exit. Yields the device."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    mp = MonkeyPatch()
+    gen = install_fake_device(mp)
+    dev = next(gen)
+    install_pretend_cuda(mp)
+    try:
+        yield dev
+    finally:
+        next(gen, None)
+        mp.undo()

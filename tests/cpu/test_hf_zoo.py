@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from _dist import DistPool
-from _fakecuda import install_fake_device, install_pretend_cuda
+from _fakecuda import fake_cuda_runtime, install_fake_device, install_pretend_cuda
 
 pytest.importorskip("transformers")
 
@@ -258,20 +258,11 @@ def test_cudagraph_steady_state_bf16(world1, fake_cuda, family):
 def _steady_2ranks(rank: int, world: int, family: str, steps: int) -> dict:
     """bf16 training on 2 ranks (each its own batches: routing differs per rank)
     with every capturable piece through the stand-in CUDA-graph runtime."""
-    from _pytest.monkeypatch import MonkeyPatch
-
     import graphcomp
 
-    mp = MonkeyPatch()
-    gen = install_fake_device(mp)
-    next(gen)
-    install_pretend_cuda(mp)
-    try:
+    with fake_cuda_runtime():
         warm = _bf16_steps(family, steps, seed=lambda s: 1000 * rank + s, clip=False)
         return {"warm": warm, "end": dict(graphcomp.counters)}
-    finally:
-        next(gen, None)
-        mp.undo()
 
 
 def test_moe_eager_experts_settle_on_2_ranks_through_the_graph_runtime(ranks2):

@@ -461,18 +461,10 @@ def test_bench_tp_refuses_what_has_no_tp_plan_before_starting_ranks():
 def _train_through_graph_runtime(rank: int, world: int, cfg: dict) -> dict:
     """``_train`` with the graphs split and every capturable piece run through the
     CUDA-graph runtime on the CPU stand-in device (tests/cpu/_fakecuda.py)."""
-    from _pytest.monkeypatch import MonkeyPatch
-    from _fakecuda import install_fake_device, install_pretend_cuda
+    from _fakecuda import fake_cuda_runtime
 
-    mp = MonkeyPatch()
-    install_pretend_cuda(mp)
-    dev = install_fake_device(mp)
-    next(dev)
-    try:
+    with fake_cuda_runtime():
         return _train(rank, world, cfg)
-    finally:
-        next(dev, None)
-        mp.undo()
 
 
 def test_tp2_through_the_cuda_graph_runtime(ranks2):
