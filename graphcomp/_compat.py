@@ -381,9 +381,31 @@ def pin_pool(device_index: int, pool: Any) -> None:
     """Keep a CUDA-graph memory pool from being freed after its graphs are reset
     (its free blocks would go back to the device on ``empty_cache``) while tensors
     built by :func:`pool_tensors` still point into it: one more use of the pool
-    that routes no allocation to it."""
-    torch._C._cuda_beginAllocateToPool(device_index, pool, lambda _stream: False)
-    torch._C._cuda_endAllocateToPool(device_index, pool)
+    that routes no allocation to it.
+
+    torch 2.13's ``_cuda_beginAllocateToPool`` takes a stream filter (ours accepts
+    no stream); torch 2.11's takes none (it routes the allocations of the current
+    thread or stream), and there the thread-routing binding, with no allocation
+    between begin and end, does the same. The first form that this torch accepts
+    is remembered."""
+    global _PIN_FORM
+    C = torch._C
+    if _PIN_FORM in (None, "filter"):
+        try:
+            C._cuda_beginAllocateToPool(device_index, pool, lambda _stream: False)
+            _PIN_FORM = "filter"
+        except TypeError:  # pybind rejects the arguments before any side effect
+            if _PIN_FORM == "filter":
+                raise
+            _PIN_FORM = "thread" if hasattr(C, "_cuda_beginAllocateCurrentThreadToPool") else "plain"
+    if _PIN_FORM == "thread":
+        C._cuda_beginAllocateCurrentThreadToPool(device_index, pool)
+    elif _PIN_FORM == "plain":
+        C._cuda_beginAllocateToPool(device_index, pool)
+    C._cuda_endAllocateToPool(device_index, pool)
+
+
+_PIN_FORM: str | None = None
 
 
 def unpin_pool(device_index: int, pool: Any) -> None:

@@ -141,3 +141,52 @@ def test_view_of_another_pieces_output_is_rebuilt_not_held():
         del h, ht, total
     c = graphcomp.counters
     assert c["cudagraph_fallbacks"] == 0 and c["captures"] == 2 and c["replays"] == 8, dict(c)
+
+
+@pytest.mark.parametrize("torch_form", ["2.13", "2.11", "2.11-no-thread-binding"])
+def test_pool_pin_uses_the_allocator_binding_this_torch_has(monkeypatch, torch_form):
+    """The shared pool's pin (``_compat.pin_pool``) must call the allocator binding
+    with the arguments this torch accepts: 2.13's ``_cuda_beginAllocateToPool`` takes
+    a stream filter, 2.11's takes two arguments (a 3-argument call raised TypeError in
+    every capture on the 2.11 GPU machines, 2026-11-25). Each form adds exactly one
+    begin and one end for the pool, and no allocation is routed."""
+    from graphcomp import _compat
+
+    calls = []
+
+    def begin3(dev, pool, flt):
+        assert flt(object()) is False
+        calls.append(("begin", dev, pool))
+
+    def begin2(dev, pool):
+        calls.append(("begin", dev, pool))
+
+    def thread2(dev, pool):
+        calls.append(("begin-thread", dev, pool))
+
+    def end(dev, pool):
+        calls.append(("end", dev, pool))
+
+    def positional(fn, n):  # pybind's arity check: TypeError before any side effect
+        def call(*a):
+            if len(a) != n:
+                raise TypeError(f"incompatible function arguments ({len(a)} given)")
+            return fn(*a)
+        return call
+
+    if torch_form == "2.13":
+        monkeypatch.setattr(torch._C, "_cuda_beginAllocateToPool", positional(begin3, 3), raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", positional(thread2, 2), raising=False)
+    else:
+        monkeypatch.setattr(torch._C, "_cuda_beginAllocateToPool", positional(begin2, 2), raising=False)
+        if torch_form == "2.11":
+            monkeypatch.setattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", positional(thread2, 2), raising=False)
+        else:
+            monkeypatch.delattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(_compat, "_PIN_FORM", None)
+    for _ in range(2):  # the second call uses the remembered form directly
+        _compat.pin_pool(0, (0, 7))
+    first = {"2.13": "begin", "2.11": "begin-thread", "2.11-no-thread-binding": "begin"}[torch_form]
+    assert calls == [(first, 0, (0, 7)), ("end", 0, (0, 7))] * 2
+    assert _compat._PIN_FORM == {"2.13": "filter", "2.11": "thread", "2.11-no-thread-binding": "plain"}[torch_form]
