@@ -212,3 +212,22 @@ def test_a_dynamo_reset_starts_a_new_agreement_epoch(ranks2):
     for r in ranks2.run(_two_runs_after_reset, timeout=240):
         for k, v in r.items():
             assert isinstance(v, float), (k, v)
+
+
+def test_a_different_prefetch_distance_is_not_a_divergence():
+    """``prefetch_ahead`` counts local compute nodes; the last rank's padding of an
+    uneven shard adds one (2 H100s, 2026-11-25: 24 vs 25 raised RankDivergence on the
+    tiny Llama). It is shown in the rows, not compared; a size or order change is."""
+    from graphcomp import agreement
+
+    colls = [{"group": "0", "kind": "all_gather", "op": "x", "dtype": "float32", "bytes": 512,
+              "bucket": "joint:ag0", "prefetch_ahead": 24},
+             {"group": "0", "kind": "reduce_scatter", "op": "y", "dtype": "float32", "bytes": 256,
+              "bucket": None, "prefetch_ahead": None}]
+    mine = agreement.sequences(colls)["0"]
+    assert mine[0]["prefetch_ahead"] == 24  # shown
+    theirs = [dict(mine[0], prefetch_ahead=25), dict(mine[1])]
+    assert agreement.first_difference(mine, theirs) is None
+    assert agreement.first_difference(mine, [dict(mine[0], bytes=704), dict(mine[1])]) == 0
+    assert agreement.first_difference(mine, [dict(mine[1]), dict(mine[0])]) == 0
+    assert agreement.first_difference(mine, mine[:1]) == 1

@@ -479,3 +479,4 @@ def test_tp2_through_the_cuda_graph_runtime(ranks2):
         c = r["counters"]
         assert c.get("captures", 0) > 0 and c.get("replays", 0) > c.get("captures", 0), c
         assert c.get("cudagraph_fallbacks", 0) == 0 and c.get("capture_failures", 0) == 0, c
+        assert c.get("pieces_eager", 0) == 0 and c.get("pieces_turned_eager", 0) == 0, c

@@ -133,6 +133,9 @@ def main():
                  "tp_collectives": len(colls),
                  "tp_collectives_by_stage": {s: sum(c["stage"] == s for c in colls) for s in ("fwd", "bwd")},
                  "tp_collectives_not_captured": [c for c in colls if c["mode"] != "cudagraph"],
+                 "eager_pieces": [f"{f['frame']}/{s}/{pt.get('piece')}: {pt.get('reason')}"
+                                  for f in graphcomp.frame_summaries() for s, st in f["stages"].items()
+                                  for pt in st.get("partitions", []) if pt.get("mode") != "cudagraph"],
                  "graphcomp_collectives": sum(1 for f in graphcomp.frame_summaries() for s in ("fwd", "bwd")
                                               for c in f["stages"].get(s, {}).get("collectives", []) if not c["foreign"])}
         if pdt is None:
