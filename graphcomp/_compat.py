@@ -260,6 +260,14 @@ def inductor_decompositions() -> dict[Any, Any]:
 
 
 # ------------------------------------------------------------ fake tensors / misc
+def real_tensors() -> Any:
+    """A context in which ops on real tensors run for real even while a compile's
+    fake mode is active (``unset_fake_temporarily``, the same in 2.11 and 2.13)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def detect_fake_mode(inputs: Sequence[Any]) -> Any:
     from torch._guards import detect_fake_mode as _d
 

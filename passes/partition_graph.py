@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphcomp import graph_utils
+from graphcomp import _compat, graph_utils
 from graphcomp.pipeline import PassContext, PassResult, register_pass
 from graphcomp.plan import REASON_KINDS, Piece, SplitPlan, SplitReason  # noqa: F401 (REASON_KINDS, SplitReason: re-exported)
 
@@ -140,7 +140,7 @@ def uncapturable_reason(node: fx.Node, split_ops: Sequence[str] = ()) -> SplitRe
     copy_op = _short_name(target) in _COPY_NAMES
     if copy_op and ((devs_in and devs_out and devs_in != devs_out) or len(devs_in | devs_out) > 1):
         return SplitReason(name, "device_copy", f"{opn} moves data between {sorted(devs_in)} and {sorted(devs_out)}")
-    if "cpu" in devs_in | devs_out:
+    if "cpu" in devs_in | devs_out and not _reads_only_host_constants(node, devs_out):
         which = "output" if "cpu" in devs_out else "input"
         return SplitReason(name, "cpu", f"{opn} has a CPU tensor {which}")
     for t in out_t:
@@ -154,6 +154,78 @@ def uncapturable_reason(node: fx.Node, split_ops: Sequence[str] = ()) -> SplitRe
 
 
 has_cuda_tensors = graph_utils.has_cuda_tensors
+
+
+def _host_scalar(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 0
+
+
+def _reads_only_host_constants(node: fx.Node, devs_out: set[str]) -> bool:
+    """A device op whose only CPU inputs are 0-dim tensor constants (``get_attr``,
+    e.g. the ``0`` that DTensor's vocab-parallel embedding writes under its mask, as
+    folded by :func:`fold_host_constants`). The kernel takes such a value as a scalar
+    at launch, so a capture bakes it in; that is right on every replay because the
+    constant never changes (the graph module holds it)."""
+    if "cpu" in devs_out or _short_name(node.target) in _COPY_NAMES:
+        return False
+    cpu_in = [a for a in node.all_input_nodes
+              if any(t.device.type == "cpu" for t in graph_utils.tensor_values(a.meta.get("val")))]
+    return bool(cpu_in) and all(a.op == "get_attr" and _host_scalar(a.meta.get("val")) for a in cpu_in)
+
+
+def fold_host_constants(gm: fx.GraphModule) -> list[str]:
+    """Evaluate, once, every node whose value is a 0-dim CPU tensor computed from
+    constants only (``lift_fresh_copy`` of a lifted ``torch.tensor(0)``, a CPU
+    ``full([], v)``), and read the result as a tensor constant (``get_attr``) instead.
+    Left in place, such a node is a CPU op and would cut the graph into an eager
+    piece on every call (TP's vocab-parallel embedding did, on 2 H100s, 2026-11-25);
+    folded, its device consumers read a constant (:func:`_reads_only_host_constants`).
+    Random, mutating and uninitialized (``empty*``) ops are never folded. Returns
+    the names of the folded nodes."""
+    folded: list[str] = []
+    values: dict[fx.Node, torch.Tensor] = {}
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr":
+            v = graph_utils.attr_value(gm, n.target)
+            if _host_scalar(v):
+                values[n] = v
+            continue
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        if not _host_scalar(n.meta.get("val")) or any(a not in values for a in n.all_input_nodes):
+            continue
+        tags = set(getattr(n.target, "tags", ()))
+        if (torch.Tag.nondeterministic_seeded in tags or n.target._schema.is_mutable
+                or _short_name(n.target).startswith("empty")):
+            continue
+        inputs = n.all_input_nodes
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: values[a])
+        try:
+            with _compat.real_tensors():  # the compile's fake mode is active here
+                v = n.target(*args, **kwargs)
+                v = v.detach().clone() if _host_scalar(v) else v
+        except Exception as e:  # noqa: BLE001 - not foldable here: the node stays (and cuts, as before)
+            log.debug("graphcomp: host constant %s not folded: %s", n.name, e)
+            continue
+        if not _host_scalar(v):
+            continue
+        attr = f"_graphcomp_host_const_{len(folded)}"
+        while hasattr(gm, attr):
+            attr += "_"
+        gm.register_buffer(attr, v, persistent=False)
+        with gm.graph.inserting_before(n):
+            c = gm.graph.get_attr(attr)
+        c.meta.update(n.meta)
+        n.replace_all_uses_with(c)
+        gm.graph.erase_node(n)
+        for a in inputs:  # a constant read only by the folded node
+            if not a.users and a.op == "get_attr":
+                gm.graph.erase_node(a)
+        values[c] = v
+        folded.append(n.name)
+    if folded:
+        gm.recompile()
+    return folded
 
 
 def _wait_of(node: fx.Node) -> list[fx.Node]:
@@ -301,6 +373,11 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 f"inputs to a CUDA device, or use cudagraphs='auto' (captures what it can) or 'off'."
             )
         return ctx.unchanged(gm, "no CUDA tensors in the graph: nothing to capture, no split")
+    folded = fold_host_constants(gm)
+    if folded:
+        ctx.count("host_constants_folded", len(folded))
+        log.info("graphcomp %s: folded %d host constant(s) (%s) into tensor constants", ctx.stage, len(folded),
+                 ", ".join(folded))
     assign, rows, reasons = plan_pieces(gm, cfg.split_ops, cfg.min_piece_nodes)
     for r in reasons:
         ctx.count(f"cut:{r.kind}")

@@ -460,3 +460,52 @@ def test_tensor_constant_reaches_the_pieces_through_the_glue():
         n for n in split.graph.nodes if n.op == "call_module" and str(n.target) == name).args)
         if isinstance(arg, torch.fx.Node) and arg.op == "get_attr"]
     assert consts and all(k == "param" for k in consts), kinds
+
+
+def test_host_scalar_constant_is_folded_and_its_consumer_captured():
+    """DTensor's vocab-parallel embedding writes a lifted ``torch.tensor(0)`` under
+    its mask: ``lift_fresh_copy`` of a 0-dim CPU constant, read by ``index_put`` on
+    the device. Both were cut into an eager piece on every call (TP=2 on 2 H100s,
+    2026-11-25). The constant is folded into a ``get_attr`` and the consumer stays
+    in the captured piece; a CPU scalar that is not a constant (a graph input) still
+    cuts, and the split computes what the graph did."""
+
+    def f(x, m):
+        y = x.clone()
+        y[m] = torch.tensor(0.0)  # lift_fresh_copy(_tensor_constant) -> index_put
+        return (y.sin(), y.cos() + torch.full([], 2.0))
+
+    x = torch.randn(8, 4)
+    m = x > 0
+    gm = cudaify(fake_trace(f, x, m, mode="fake"),
+                 cpu_nodes={"_tensor_constant0", "lift_fresh_copy", "full"})
+    ops = [pg._short_name(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "lift_fresh_copy" in ops and "full" in ops, ops
+    put = next(n.name for n in gm.graph.nodes if n.name.startswith("index_put"))
+    before = reasons_by_node(gm)
+    assert before["lift_fresh_copy"].kind == "cpu" and before[put].kind == "cpu" and before["add"].kind == "cpu"
+    folded = pg.fold_host_constants(gm)
+    assert sorted(folded) == ["full", "lift_fresh_copy"], folded
+    assert [n.op for n in gm.graph.nodes].count("get_attr") == 2  # the original constant is gone
+    assert reasons_by_node(gm) == {}  # one captured piece
+    for n in gm.graph.nodes:  # the folded values, not fakes
+        if n.op == "get_attr":
+            v = getattr(gm, n.target)
+            assert v.device.type == "cpu" and v.dim() == 0 and not hasattr(v, "fake_mode")
+    assert sorted(float(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr") == [0.0, 2.0]
+    # the split (real values on CPU) computes what f does
+    assign, rows, _ = pg.plan_pieces(gm, predicate=lambda n: pg.SplitReason(n.name, "user_split_op", "t")
+                                     if n.name == "sin" else None)
+    split = pg.split_graph(gm, assign)
+    for got, want in zip(split(x, m), f(x, m)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_cpu_scalar_graph_input_still_cuts():
+    def f(x, s):
+        return ((x * s).sin(),)
+
+    gm = cudaify(fake_trace(f, torch.randn(4), torch.tensor(3.0), mode="fake"), cpu_nodes={"s_1"})
+    assert pg.fold_host_constants(gm) == []
+    r = reasons_by_node(gm)
+    assert r["mul"].kind == "cpu", r
