@@ -41,3 +41,18 @@ def test_every_session_step_selects_tests():
                            capture_output=True, text=True, cwd=ROOT, timeout=300)
         m = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", r.stdout)
         assert r.returncode == 0 and m and int(m.group(1)) > 0, (name, args, r.stdout[-1500:], r.stderr[-1500:])
+
+
+def test_smoke_check_gates_the_session(tmp_path):
+    """``tests/gpu/smoke.py`` is the session's first step: it imports and reports
+    (here: no CUDA device, exit 1), and session.sh stops when it fails."""
+    import json
+
+    out = tmp_path / "smoke.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "smoke.py"), str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    rep = json.loads(out.read_text())
+    assert rep["ok"] is False and "no CUDA device" in rep["error"], rep
+    text = SESSION.read_text()
+    assert "tests/gpu/smoke.py" in text and "exit 1" in text

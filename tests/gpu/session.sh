@@ -14,6 +14,16 @@ python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || 
   python -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 } 2>&1 | tee "$OUT/env.txt"
 STEPS=${1:-zoo,cudagraphs}
+# the smoke check first (about 15 s): a broken capture path would fail every step
+if [ "${SMOKE:-1}" = 1 ]; then
+  t0=$SECONDS
+  if ! timeout 180 python tests/gpu/smoke.py "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1; then
+    echo "[session] smoke FAILED in $((SECONDS - t0)) s: nothing else runs (SMOKE=0 skips the check)"
+    tail -n 40 "$OUT/smoke.log"
+    exit 1
+  fi
+  echo "[session] smoke ok in $((SECONDS - t0)) s"
+fi
 run() {  # name timeout_s cmd...
   local name=$1 t=$2; shift 2
   case ",$STEPS," in *",$name,"*) ;; *) return ;; esac
