@@ -49,10 +49,11 @@ log = logging.getLogger(__name__)
 
 # what must be equal across ranks (the source line, and the graph-input names a bucket
 # holds, which shift with a recompile's symbolic inputs, are for the message only).
-# ``prefetch_ahead`` is shown but not compared: it counts the compute nodes a gather
-# runs ahead of its first use, and a rank whose graph has one more local op (the last
-# rank's padding of an uneven shard) counts one more without issuing its collectives
-# in another order (measured on 2 H100s, 2026-11-25: 24 vs 25 on the tiny Llama).
+# ``prefetch_ahead`` is shown but not compared: it counts the local compute nodes a
+# gather runs ahead of its first use, which says nothing about the order of the
+# collectives (the rows' order does). On 2 H100s (2026-11-25) the tiny Llama's first
+# backward gather had 24 on rank 0 and 25 on rank 1, with the same collectives; why
+# was not found (on 2 CPU ranks both ranks' graphs have the same ops).
 ROW_FIELDS = ("kind", "op", "dtype", "bytes", "bucket", "fused_downcast", "resharded")
 SHOWN_FIELDS = ROW_FIELDS + ("prefetch_ahead",)
 

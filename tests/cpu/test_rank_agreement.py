@@ -215,9 +215,9 @@ def test_a_dynamo_reset_starts_a_new_agreement_epoch(ranks2):
 
 
 def test_a_different_prefetch_distance_is_not_a_divergence():
-    """``prefetch_ahead`` counts local compute nodes; the last rank's padding of an
-    uneven shard adds one (2 H100s, 2026-11-25: 24 vs 25 raised RankDivergence on the
-    tiny Llama). It is shown in the rows, not compared; a size or order change is."""
+    """``prefetch_ahead`` counts local compute nodes (2 H100s, 2026-11-25: 24 vs 25
+    on the tiny Llama's ranks raised RankDivergence with identical collectives). It is
+    shown in the rows, not compared; a size or order change is."""
     from graphcomp import agreement
 
     colls = [{"group": "0", "kind": "all_gather", "op": "x", "dtype": "float32", "bytes": 512,
