@@ -136,17 +136,19 @@ class Config:
     ``graphcomp.counters['recaptures']``)."""
 
     copy_outputs: OutputCopy = "auto"
-    """How captured backward pieces hand out the gradients bound for ``param.grad``
-    (they live in the shared CUDA-graph pool, which later replays overwrite).
-    ``"always"`` copies them out of the pool after every replay (costs their size in
-    memory and a copy per step). ``"auto"`` hands them out without a copy; before
-    every replay graphcomp checks (storage use counts) that nothing it could
-    overwrite is still referenced. The first time a gradient is (gradient
-    accumulation, ``zero_grad(set_to_none=False)``), the backward copies its
-    gradients from then on and the piece about to replay is captured again around
-    the live tensor (``graphcomp.counters['hazard_recaptures']``); it is never
-    overwritten. Forward outputs returned to user code (the loss) are always
-    copied: they are small and often kept for logging."""
+    """How captured pieces hand out what leaves graphcomp: the gradients bound for
+    ``param.grad`` and forward outputs over 1 MiB (logits; tensors handed across a
+    graph break). They live in the shared CUDA-graph pool, which later replays
+    overwrite. ``"always"`` copies them out of the pool after every replay (costs their
+    size in memory and a copy per step). ``"auto"`` hands them out without a copy;
+    before every replay graphcomp checks (storage use counts, after one
+    ``gc.collect()`` per capture) that nothing it could overwrite is still referenced.
+    The first time one is (gradient accumulation, ``zero_grad(set_to_none=False)``,
+    a loop that keeps the model's output until the next forward), its piece copies
+    it from then on and the piece about to replay is captured again around the live
+    tensor (``graphcomp.counters['hazard_recaptures']``); it is never overwritten.
+    Forward outputs up to 1 MiB (the loss, metrics) are always copied: they are
+    often kept for logging (``graphcomp.runtime.codegen.FORWARD_COPY_BELOW``)."""
 
     loss_chunk_tokens: int = 1024
     """Pass ``chunk_lm_loss``: rows (tokens) per chunk of the chunked language-model

@@ -86,6 +86,9 @@ class Counters(Mapping):
     """Bytes of outputs copied out of the CUDA-graph pool after replays."""
     hazard_recaptures: int = 0
     """Re-captures around tensors still held in the pool (gradient accumulation, ...)."""
+    hazard_gc_collects: int = 0
+    """``gc.collect()`` runs before a hazard decision (at most once per capture: a
+    compile's reference cycles can hold the first call's outputs)."""
     capture_failures: int = 0
     """Pieces whose warm-up, trial capture or capture raised: they run eagerly for good."""
     pieces_turned_eager: int = 0

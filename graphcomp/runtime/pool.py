@@ -192,6 +192,7 @@ class Capture:
         # released storages of other captures this one may overwrite (freed by the end of its capture call)
         self.overwrites: "weakref.WeakKeyDictionary[Capture, set[int]]" = weakref.WeakKeyDictionary()
         self.replays = 0
+        self.collected = False  # a hazard on this capture's outputs ran gc.collect() once (runner._hazard)
         self.orphan = False  # released, but a user still holds some of its outputs
 
     def track_outputs(self, exclude_storages: set[int]) -> None:

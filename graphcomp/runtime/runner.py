@@ -26,7 +26,10 @@ still referenced:
   gradients bound for ``param.grad``) held by user code: its piece copies that
   output out of the pool from then on, and the piece about to replay is captured
   again around the live tensor (``hazard_recaptures``); with
-  ``Config.copy_outputs="always"`` visible outputs are always copied;
+  ``Config.copy_outputs="always"`` visible outputs are always copied, and visible
+  outputs of at most ``copy_below`` bytes (the forward's loss) always are. Before
+  deciding, ``gc.collect()`` runs once per capture involved: a compile's reference
+  cycles hold the first call's outputs until the cyclic collector runs;
 * this piece's own internal output (a saved activation whose backward has not
   run: two forwards before one backward), or a released output (below) in memory
   this piece was captured over: this call runs eagerly instead
@@ -50,6 +53,7 @@ is freed inside the capture.
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -98,6 +102,7 @@ class CudaGraphRunner:
         *,
         clone_outputs: set[int] | None = None,
         copy_outputs: str = "auto",
+        copy_below: int = 0,
         max_captures: int = 8,
         check_static_inputs: str = "first",
         on_address_change: str = "error",
@@ -118,6 +123,10 @@ class CudaGraphRunner:
         # visible outputs copied out of the pool after each replay: all of them with
         # copy_outputs="always"; with "auto" the ones seen still held at a later replay
         self.copy_now = set(self.visible) if copy_outputs == "always" else set()
+        # visible outputs of at most this many bytes are always copied (the forward's
+        # loss and metrics: small, and often kept for logging; handing them out of the
+        # pool would re-capture the forward around a kept loss)
+        self.copy_below = copy_below
         self.hazard_recaptures = 0
         self.misses = 0  # calls run eagerly because of a hazard (see _miss)
         self.max_captures = max_captures
@@ -275,6 +284,9 @@ class CudaGraphRunner:
         # internal outputs are released (see the module docstring); views of a non-copied
         # input are rebuilt from each call's input; an alias of a static buffer of ours
         # is kept and tracked (the next copy overwrites it)
+        if self.copy_below:
+            self.copy_now.update(i for i in self.visible if i < len(outs) and isinstance(outs[i], torch.Tensor)
+                                 and outs[i].numel() * outs[i].element_size() <= self.copy_below)
         cap.release_outputs(list(outs), self.visible, in_index, buf_storages)
         del outs
         SESSION.counters.add("captures")
@@ -390,6 +402,17 @@ class CudaGraphRunner:
         was captured over) or "recapture" (see the module docstring; visible outputs
         found alive switch their piece to copying)."""
         conflicts = RUNTIME.ledger.conflicts(cap, args)
+        if conflicts and not all(c.collected for c, _ in conflicts):
+            # Dynamo's compile leaves the first call's outputs in reference cycles
+            # (a graph break's partial graph runs while compiling) until the cyclic
+            # collector runs: collect once per capture before calling them held
+            # (HF GPT-2's logits were otherwise "held" at the second step, and every
+            # piece was captured again)
+            for c, _ in conflicts:
+                c.collected = True
+            gc.collect()
+            SESSION.counters.add("hazard_gc_collects")
+            conflicts = RUNTIME.ledger.conflicts(cap, args)
         if not conflicts:
             return None
         for c, alive in conflicts:

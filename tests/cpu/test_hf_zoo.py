@@ -276,3 +276,74 @@ def test_moe_eager_experts_settle_on_2_ranks_through_the_graph_runtime(ranks2):
         for k in ("cudagraph_fallbacks", "recaptures", "hazard_recaptures", "capture_failures"):
             assert e.get(k, 0) == w.get(k, 0), (k, w, e)
         assert e.get("replays", 0) > w.get("replays", 0), e
+
+
+def _gpt2_steps(steps: int, hold: bool, options: dict, dropout: float | None = None
+                ) -> tuple[list[float], dict, list[bool]]:
+    """GPT-2 (graph break before its loss: the logits leave the first frame) with
+    CUDA graphs through the stand-in device, AdamW. ``hold``: the loop keeps the
+    model's output object (logits included) until the next step's forward has
+    returned, as hand-written Hugging Face loops do; returns, per step, whether the
+    held logits still had their values after that next step."""
+    import graphcomp
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+    m = zoo.build_model("gpt2", "tiny", seed=0, dropout=dropout)
+    graphcomp.shard(m, param_dtype=torch.bfloat16)
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", **options})
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    losses, intact, prev = [], [], None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(steps):
+            out = cm(**zoo.make_batch(m, 2, SEQ, seed=s))
+            if prev is not None:
+                intact.append(torch.equal(prev[0].logits, prev[1]))
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(out.loss))
+            prev = (out, out.logits.detach().clone()) if hold else None
+            del out
+    return losses, dict(graphcomp.counters), intact
+
+
+def test_large_forward_outputs_leave_the_pool_uncopied(world1, fake_cuda, monkeypatch):
+    """Forward outputs over ``FORWARD_COPY_BELOW`` bytes (logits, tensors handed
+    across a graph break) are handed out of the pool like gradients under
+    ``copy_outputs="auto"``: not copied while nothing holds them at the next replay
+    (HF GPT-2 on 2 H100s copied its 262 MB of logits every step); the compile's own
+    reference cycles, which hold the first call's outputs, are collected before a
+    hazard is declared (without that, every piece was captured again at step 1).
+    Losses are bitwise those of ``copy_outputs="always"`` (the stand-in device
+    scribbles over pool memory a replay may overwrite)."""
+    import graphcomp.runtime.codegen as codegen
+
+    monkeypatch.setattr(codegen, "FORWARD_COPY_BELOW", 64)  # the tiny model's logits are 8 KiB
+    ref, c_ref, _ = _gpt2_steps(6, False, {"copy_outputs": "always"})
+    got, c, _ = _gpt2_steps(6, False, {})
+    assert got == ref, (got, ref)
+    assert c.get("hazard_recaptures", 0) == 0 and c.get("recaptures", 0) == 0, c
+    assert c.get("cudagraph_fallbacks", 0) == 0 and c["replays"] > c["captures"] > 0, c
+    assert c.get("cudagraph_output_copy_bytes", 0) == 6 * 4, c  # only the fp32 loss of each step
+    assert c_ref["cudagraph_output_copy_bytes"] > 6 * 8192, c_ref  # (logits were copied with "always")
+
+
+def test_held_large_forward_output_is_never_overwritten(world1, fake_cuda, monkeypatch):
+    """A loop that keeps the model's output (its logits) across the next forward:
+    the piece sees them held, copies them out of the pool from then on and is
+    captured again around the live tensor, once (with the pieces captured after it);
+    held logits keep their values.
+    (Dropout off: a re-capture's warm-up call draws random numbers, so with dropout
+    the losses would differ from a run without one.)"""
+    import graphcomp.runtime.codegen as codegen
+
+    monkeypatch.setattr(codegen, "FORWARD_COPY_BELOW", 64)
+    ref, _, _ = _gpt2_steps(6, True, {"copy_outputs": "always"}, dropout=0.0)
+    got, c, intact = _gpt2_steps(6, True, {}, dropout=0.0)
+    assert got == ref, (got, ref)
+    assert intact and all(intact), intact
+    # once: the held piece and the pieces captured after it (their memory may overlap)
+    assert 1 <= c.get("hazard_recaptures", 0) <= c["pieces_captured"] and c.get("cudagraph_fallbacks", 0) == 0, c
+    assert c.get("cudagraph_output_copy_bytes", 0) > 0, c
