@@ -388,7 +388,7 @@ def pool_views(st: Any, device: torch.device, views: Sequence[tuple[int, tuple[i
 def pin_pool(device_index: int, pool: Any) -> None:
     """Keep a CUDA-graph memory pool from being freed after its graphs are reset
     (its free blocks would go back to the device on ``empty_cache``) while tensors
-    built by :func:`pool_tensors` still point into it: one more use of the pool
+    built by :func:`pool_views` still point into it: one more use of the pool
     that routes no allocation to it.
 
     torch 2.13's ``_cuda_beginAllocateToPool`` takes a stream filter (ours accepts
