@@ -173,6 +173,22 @@ def _reads_only_host_constants(node: fx.Node, devs_out: set[str]) -> bool:
     return bool(cpu_in) and all(a.op == "get_attr" and _host_scalar(a.meta.get("val")) for a in cpu_in)
 
 
+def _users_device(node: fx.Node) -> torch.device | None:
+    """The one non-CPU device every user of ``node`` computes on (each user an op
+    whose tensor outputs all live there, not a device copy), else None."""
+    devs: set[torch.device] = set()
+    for u in node.users:
+        if u.op != "call_function" or _short_name(u.target) in _COPY_NAMES:
+            return None
+        outs = graph_utils.tensor_values(u.meta.get("val"))
+        if not outs:
+            return None
+        devs.update(t.device for t in outs)
+    if len(devs) != 1 or next(iter(devs)).type == "cpu":
+        return None
+    return next(iter(devs))
+
+
 def fold_host_constants(gm: fx.GraphModule) -> list[str]:
     """Evaluate, once, every node whose value is a 0-dim CPU tensor computed from
     constants only (``lift_fresh_copy`` of a lifted ``torch.tensor(0)``, a CPU
@@ -180,8 +196,12 @@ def fold_host_constants(gm: fx.GraphModule) -> list[str]:
     Left in place, such a node is a CPU op and would cut the graph into an eager
     piece on every call (TP's vocab-parallel embedding did, on 2 H100s, 2026-11-25);
     folded, its device consumers read a constant (:func:`_reads_only_host_constants`).
-    Random, mutating and uninitialized (``empty*``) ops are never folded. Returns
-    the names of the folded nodes."""
+    Random, mutating and uninitialized (``empty*``) ops are never folded. A folded
+    value whose users all compute on one device is stored on that device: Inductor
+    copies a host constant into a device buffer at run time (``buf.copy_(const)``,
+    a pageable host-to-device copy that fails under capture: the TP run with
+    Inductor on 2 H200s, 2026-11-26), where eager kernels take it as a scalar.
+    Returns the names of the folded nodes."""
     folded: list[str] = []
     values: dict[fx.Node, torch.Tensor] = {}
     for n in list(gm.graph.nodes):
@@ -209,6 +229,13 @@ def fold_host_constants(gm: fx.GraphModule) -> list[str]:
             continue
         if not _host_scalar(v):
             continue
+        dev = _users_device(n)
+        if dev is not None:  # Inductor would copy a host constant in at run time: not capturable
+            try:
+                v = v.to(dev)
+            except Exception as e:  # noqa: BLE001 - stays a host constant, read as a launch scalar
+                log.debug("graphcomp: host constant %s stays on the host (%s): %s", n.name, dev, e)
+                dev = None
         attr = f"_graphcomp_host_const_{len(folded)}"
         while hasattr(gm, attr):
             attr += "_"
@@ -216,12 +243,15 @@ def fold_host_constants(gm: fx.GraphModule) -> list[str]:
         with gm.graph.inserting_before(n):
             c = gm.graph.get_attr(attr)
         c.meta.update(n.meta)
+        if dev is not None and isinstance(n.meta.get("val"), torch.Tensor):
+            c.meta["val"] = n.meta["val"].to(dev)  # (a fake tensor moves within its own fake mode)
         n.replace_all_uses_with(c)
         gm.graph.erase_node(n)
         for a in inputs:  # a constant read only by the folded node
             if not a.users and a.op == "get_attr":
                 gm.graph.erase_node(a)
-        values[c] = v
+        if dev is None:
+            values[c] = v
         folded.append(n.name)
     if folded:
         gm.recompile()

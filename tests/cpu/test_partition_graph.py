@@ -501,6 +501,41 @@ def test_host_scalar_constant_is_folded_and_its_consumer_captured():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_host_constant_moves_to_its_users_device():
+    """A folded constant whose users all compute on one device is stored there
+    (Inductor would otherwise copy it in with a pageable host-to-device copy at
+    run time, which fails under capture: TP + Inductor on 2 H200s, 2026-11-26).
+    The ``meta`` device stands in for CUDA on this machine."""
+
+    def f(x, m):
+        y = x.clone()
+        y[m] = torch.tensor(0.0)
+        return (y.sin(),)
+
+    x = torch.randn(8, 4, device="meta")
+    gm = fake_trace(f, x, torch.ones(8, 4, dtype=torch.bool, device="meta"), mode="fake")
+    assert pg.fold_host_constants(gm) == ["lift_fresh_copy"]
+    consts = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert len(consts) == 1, consts
+    c = consts[0]
+    assert getattr(gm, c.target).device.type == "meta" and c.meta["val"].device.type == "meta"
+    assert all(u.meta["val"].device.type == "meta" for u in c.users)
+    (out,) = gm(x, torch.ones(8, 4, dtype=torch.bool, device="meta"))
+    assert out.device.type == "meta" and out.shape == (8, 4)
+
+
+def test_host_constant_used_on_the_host_stays_there():
+    def f(x):
+        c = torch.tensor(2.0)
+        return (x * (c + 1).item(),)
+
+    gm = fake_trace(f, torch.randn(4), mode="fake")
+    folded = pg.fold_host_constants(gm)
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            assert getattr(gm, n.target).device.type == "cpu", (folded, gm.code)
+
+
 def test_cpu_scalar_graph_input_still_cuts():
     def f(x, s):
         return ((x * s).sin(),)
