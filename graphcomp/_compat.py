@@ -6,7 +6,8 @@ API moves, this is the only file to change. Everything else imports from here.
 (Longer than graphcomp's ~500-line guideline on purpose: the point of the module is
 that every private API sits in one file; it is a flat list of small adapters, each
 with its version notes, and imports nothing of graphcomp but its own topic parts,
-``_compat_<topic>.py``, re-exported here: ``_compat_remat`` (checkpoint tags, flops).)
+``_compat_<topic>.py``, re-exported here: ``_compat_remat`` (checkpoint tags, flops),
+``_compat_collectives`` (collectives recorded, not run, during a CUDA-graph warm-up).)
 """
 
 from __future__ import annotations
@@ -332,6 +333,10 @@ def process_group_name(group: Any) -> str:
 
     return _get_process_group_name(group)
 
+
+# ------------------------------------------- CUDA-graph warm-up: collectives
+# (a warm-up records collectives without running them): in graphcomp/_compat_collectives.py
+from ._compat_collectives import collectives_not_run  # noqa: E402,F401
 
 # --------------------------------------------------- activation-checkpoint tags
 # (and flop formulas): in graphcomp/_compat_remat.py, re-exported here

@@ -89,6 +89,10 @@ class Counters(Mapping):
     hazard_gc_collects: int = 0
     """``gc.collect()`` runs before a hazard decision (at most once per capture: a
     compile's reference cycles can hold the first call's outputs)."""
+    warmup_collectives_stood_in: int = 0
+    """Collectives a CUDA-graph warm-up recorded without running them (zeros of their shape), so a
+    capture call issues each collective once, as a replay call does (a rank capturing alone stays in
+    step with its peers)."""
     capture_failures: int = 0
     """Pieces whose warm-up, trial capture or capture raised: they run eagerly for good."""
     pieces_turned_eager: int = 0

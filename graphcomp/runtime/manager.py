@@ -55,6 +55,7 @@ class Runtime:
         self._capturing = 0
         self._setup_done = False
         self.ledger = PoolLedger()
+        self.warmed_groups: set[str] = set()  # process groups whose first collective ran in a warm-up
         self.static_storages: set[int] = set()  # storage pointers of "param" inputs seen at capture
         self.pinned: list[tuple[Any, Any, list[Any]]] = []  # (pool, token, captures) kept alive by teardown
         self._pool_pin: Any = None  # (pool, token): the shared pool's own use while graphs may capture into it
@@ -189,6 +190,7 @@ class Runtime:
         self._capturing = 0
         self._setup_done = False
         self.ledger = PoolLedger()
+        self.warmed_groups: set[str] = set()  # process groups whose first collective ran in a warm-up
         self.static_storages = set()
 
 

@@ -5,7 +5,10 @@ the values of scalar inputs), up to ``Config.max_captures`` captures; beyond tha
 the piece runs eagerly with a warning. For each capture::
 
     warm-up  : the compiled piece runs ``WARMUP_ITERS`` times on the capture stream
-               with is_capturing() True (the same code path as capture)
+               with is_capturing() True (the same code path as capture); its
+               collectives are recorded, not run (``_compat.collectives_not_run``:
+               zeros of their shape; a process group's first collective runs),
+               so a capture call issues each collective once, as a replay does
     capture  : torch.cuda.CUDAGraph captured on the capture stream into the
                shared pool (RUNTIME.pool)
     replay   : copy "copy" inputs into static buffers (one torch._foreach_copy_),
@@ -242,9 +245,12 @@ class CudaGraphRunner:
         try:
             dev.wait(stream, dev.current_stream())
             with RUNTIME.capturing():
-                with dev.stream(stream):
+                # collectives recorded, not run: this call issues each once (its replay), as a
+                # replay call does, so a rank capturing alone stays in step with its peers
+                with dev.stream(stream), _compat.collectives_not_run(RUNTIME.warmed_groups) as not_run:
                     for _ in range(WARMUP_ITERS):
                         self.fn(list(static_in))
+                SESSION.counters.add("warmup_collectives_stood_in", not_run.stood_in)
                 phase = "trial capture"
                 dev.trial_capture(stream, self.fn, static_in)
             dev.wait(dev.current_stream(), stream)

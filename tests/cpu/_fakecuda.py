@@ -2,7 +2,8 @@
 models through it (no GPU here).
 
 ``FakeDevice`` replaces ``graphcomp.runtime.RUNTIME.device``: a "capture" runs the
-piece and keeps its outputs as the graph's memory; a "replay" runs the piece again
+piece (its collectives recorded, not run, as under stream capture) and keeps its
+outputs as the graph's memory; a "replay" runs the piece again
 into that memory and, as the worst case of one shared pool, scribbles over memory a
 real replay could overwrite (see ``FakeGraph``), so a missing liveness check shows
 up as NaNs. ``trial_capture`` runs the piece with ``in_capture`` set, so an op that
@@ -121,7 +122,8 @@ class FakeDevice(manager.CudaDevice):
         refs = [StorageWeakRef(a.untyped_storage()) for a in inputs if isinstance(a, torch.Tensor)]
         self.in_capture = True
         try:
-            g.memory = list(fn(inputs))
+            with _compat.collectives_not_run():  # (a capture records collectives, does not run them)
+                g.memory = list(fn(inputs))
         finally:
             self.in_capture = False
         self.captured.append(g)
@@ -150,7 +152,8 @@ class FakeDevice(manager.CudaDevice):
         self.trials += 1
         self.in_capture = True
         try:
-            fn(list(inputs))
+            with _compat.collectives_not_run():  # (a capture records collectives, does not run them)
+                fn(list(inputs))
         finally:
             self.in_capture = False
 

@@ -31,7 +31,8 @@ def torchrun_results(script: Path, args: list[str], nproc: int, outdir: Path, *,
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{what} on {nproc} GPU(s) did not finish in {timeout}s (hang?)\n{(e.stderr or '')[-3000:]}")
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"{what} on {nproc} GPU(s) did not finish in {timeout}s (hang?)\n{err[-6000:]}")
     assert out.returncode == 0, out.stderr[-4000:]
     results = [json.loads((Path(outdir) / f"{stem}.rank{r}.json").read_text()) for r in range(nproc)]
     kept = os.environ.get("GRAPHCOMP_GPU_RESULTS")

@@ -42,7 +42,12 @@ def main() -> None:
     p.add_argument("--preset", default="demo")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--hang-dump", type=float, default=0.0,
+                   help="seconds after which every thread's stack is printed (0: never): a hang shows where it waits")
     a = p.parse_args()
+    if a.hang_dump > 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(a.hang_dump, exit=False)
     cuda = torch.cuda.is_available() and not a.cpu
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -73,6 +78,8 @@ def main() -> None:
         seqs.append(seq)
         if s % 50 == 0 or s == a.steps - 1:
             losses.append(loss.detach().item())
+            print(f"[soak] rank {rank}: step {s} seq {seq} loss {losses[-1]:.4f} at {time.perf_counter() - t_start:.1f} s, "
+                  f"frames {graphcomp.counters.get('frames_compiled', 0)}", flush=True)
         if cuda:
             alloc.append(torch.cuda.memory_allocated())
             resv.append(torch.cuda.memory_reserved())

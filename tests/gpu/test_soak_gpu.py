@@ -23,8 +23,11 @@ def test_soak_1000_steps_varying_lengths(nproc, tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPU(s)")
     steps = int(os.environ.get("GC_SOAK_STEPS", "1000"))
-    res = torchrun_results(SCRIPT, [str(tmp_path), "--steps", str(steps)], nproc, tmp_path, stem="soak",
-                           keep=f"soak_{nproc}gpu", what="soak", timeout=540, compile_threads=4)
+    timeout = float(os.environ.get("GC_SOAK_TIMEOUT", "540"))
+    # a hang prints every thread's stack (stderr, shown by the failure) before the timeout
+    args = [str(tmp_path), "--steps", str(steps), "--hang-dump", str(max(timeout - 30, 30))]
+    res = torchrun_results(SCRIPT, args, nproc, tmp_path, stem="soak",
+                           keep=f"soak_{nproc}gpu", what="soak", timeout=timeout, compile_threads=4)
     for r in res:
         c = r["counters"]
         seen = sum(1 for n in r["bucket_counts"].values() if n)

@@ -1,0 +1,97 @@
+"""A rank that captures a piece while its peers replay theirs issues the same
+collectives (issue 16: the 2-GPU soak, per-rank sequence lengths, hung on 2 H200s
+at 6220390).
+
+A capture call used to run its piece ``WARMUP_ITERS`` times with real collectives
+before capturing, then once more as the replay: a rank capturing alone (a sequence
+length only it sees) issued three all-gathers where its peer issued one. The
+warm-up now records collectives without running them
+(``_compat.collectives_not_run``); the stand-in device's capture does the same (a
+CUDA capture records, never runs). Reproduced here before the fix: the 2-rank run
+below hung in its second step (gloo timeout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_distributed
+
+# per rank and step: rank 0 meets a new length at steps 1 and 3, rank 1 at step 2:
+# every step has a rank that captures while the other replays
+LENGTHS = {0: [32, 16, 16, 24, 32], 1: [32, 32, 8, 8, 32]}
+
+
+def _train(rank: int, world: int, cudagraphs: str) -> dict:
+    from _fakecuda import fake_cuda_runtime
+
+    import graphcomp
+    from graphcomp.models import Llama, synthetic_batch
+    from graphcomp.sharding import full_state_dict
+
+    with fake_cuda_runtime():
+        torch.manual_seed(0)
+        m = Llama("tiny")
+        m.reset_parameters(seed=0)
+        graphcomp.shard(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        cm = torch.compile(m, backend="graphcomp", dynamic=False,
+                           options={"codegen": "eager", "cudagraphs": cudagraphs})
+        losses = []
+        for step, seq in enumerate(LENGTHS[rank]):
+            tok, tgt = synthetic_batch(m.cfg, 2, seq, seed=100 * rank + step)
+            loss = cm(tok, tgt)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        counters = dict(graphcomp.counters)
+        params = full_state_dict(m)
+        graphcomp.runtime.teardown()
+    return {"losses": losses, "params": params, "counters": counters}
+
+
+def test_rank_capturing_alone_stays_in_step_with_its_peer():
+    on = run_distributed(_train, 2, "auto", timeout=150)
+    off = run_distributed(_train, 2, "off", timeout=150)
+    for r in range(2):
+        c = on[r]["counters"]
+        assert c.get("captures", 0) > 0 and c.get("replays", 0) > 0, c
+        assert c.get("warmup_collectives_stood_in", 0) > 0, c
+        assert c.get("cudagraph_fallbacks", 0) == 0 and c.get("capture_failures", 0) == 0, c
+        assert on[r]["losses"] == pytest.approx(off[r]["losses"], rel=1e-6, abs=0), r
+        for k, v in off[r]["params"].items():
+            torch.testing.assert_close(on[r]["params"][k], v, rtol=1e-6, atol=0)
+    # the ranks captured at different steps: rank 0 compiled 3 lengths, rank 1 two
+    assert on[0]["counters"]["frames_compiled"] != on[1]["counters"]["frames_compiled"]
+
+
+def _modes(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from graphcomp import _compat
+
+    group = _compat.process_group_name(dist.group.WORLD)
+    x = torch.full((3,), float(rank + 1))
+    warmed: set[str] = set()
+    with _compat.collectives_not_run(warmed) as mode:
+        first = _compat.funcol_all_gather(x, group, world)  # the group's first: runs
+        second = _compat.funcol_all_gather(x, group, world)  # recorded: zeros of its shape
+        out = torch.empty(6)
+        torch.ops._c10d_functional.all_gather_into_tensor_out(x, world, group, out=out)
+        inplace = torch.ops._c10d_functional.all_reduce_(x.clone(), "sum", group)
+    # one real collective after the mode: the ranks are still in step
+    check = _compat.funcol_all_gather(torch.tensor([float(rank)]), group, world)
+    return {"first": first, "second": second, "out_shape": tuple(out.shape), "inplace": inplace,
+            "ran": mode.ran, "stood_in": mode.stood_in, "warmed": sorted(warmed), "check": check}
+
+
+def test_collectives_not_run_records_all_but_a_groups_first():
+    res = run_distributed(_modes, 2, timeout=120)
+    for r, d in enumerate(res):
+        assert torch.equal(d["first"], torch.tensor([1.0] * 3 + [2.0] * 3)), d["first"]
+        assert torch.equal(d["second"], torch.zeros(6)), d["second"]
+        assert d["out_shape"] == (6,)
+        assert torch.equal(d["inplace"], torch.full((3,), float(r + 1))), d["inplace"]  # not reduced
+        assert d["ran"] == 1 and d["stood_in"] == 3 and len(d["warmed"]) == 1, d
+        assert torch.equal(d["check"], torch.tensor([0.0, 1.0])), d["check"]
