@@ -232,7 +232,8 @@ def fold_host_constants(gm: fx.GraphModule) -> list[str]:
         dev = _users_device(n)
         if dev is not None:  # Inductor would copy a host constant in at run time: not capturable
             try:
-                v = v.to(dev)
+                with _compat.real_tensors():  # (the compile's fake mode would refuse a real tensor)
+                    v = v.to(dev)
             except Exception as e:  # noqa: BLE001 - stays a host constant, read as a launch scalar
                 log.debug("graphcomp: host constant %s stays on the host (%s): %s", n.name, dev, e)
                 dev = None
