@@ -22,7 +22,8 @@ through it and need not). For an op of the ``_c10d_functional`` namespace:
   kernel) on its input's device: zeros, not uninitialized memory, because values
   derived from them (indices after an all-to-all) must stay in range during the
   warm-up, whose results are discarded;
-* an in-place or ``out=`` form returns the tensor it would write, unchanged;
+* an in-place form returns the tensor it would write, unchanged (its local
+  values); an ``out=`` form returns its ``out`` buffer filled with zeros;
 * ``wait_tensor`` returns its input, unless that input came from a collective that
   ran for real (below): then it waits;
 * ``warmed``: the first collective on each process group not yet in the set runs
@@ -98,6 +99,10 @@ class _CollectivesNotRun(TorchDispatchMode):
         self.stood_in += 1
         if func._schema.is_mutable:
             written = _written(func, args, kwargs)
+            out = kwargs.get("out")
+            for t in (out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    t.zero_()  # an out= buffer holds whatever the allocator left: zeros, as above
             return written[0] if len(written) == 1 else written
         dev = _device(args, kwargs)
         meta_args, meta_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))

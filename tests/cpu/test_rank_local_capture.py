@@ -77,12 +77,12 @@ def _modes(rank: int, world: int) -> dict:
     with _compat.collectives_not_run(warmed) as mode:
         first = _compat.funcol_all_gather(x, group, world)  # the group's first: runs
         second = _compat.funcol_all_gather(x, group, world)  # recorded: zeros of its shape
-        out = torch.empty(6)
+        out = torch.full((6,), 5.0)
         torch.ops._c10d_functional.all_gather_into_tensor_out(x, world, group, out=out)
         inplace = torch.ops._c10d_functional.all_reduce_(x.clone(), "sum", group)
     # one real collective after the mode: the ranks are still in step
     check = _compat.funcol_all_gather(torch.tensor([float(rank)]), group, world)
-    return {"first": first, "second": second, "out_shape": tuple(out.shape), "inplace": inplace,
+    return {"first": first, "second": second, "out": out, "inplace": inplace,
             "ran": mode.ran, "stood_in": mode.stood_in, "warmed": sorted(warmed), "check": check}
 
 
@@ -91,7 +91,7 @@ def test_collectives_not_run_records_all_but_a_groups_first():
     for r, d in enumerate(res):
         assert torch.equal(d["first"], torch.tensor([1.0] * 3 + [2.0] * 3)), d["first"]
         assert torch.equal(d["second"], torch.zeros(6)), d["second"]
-        assert d["out_shape"] == (6,)
+        assert torch.equal(d["out"], torch.zeros(6)), d["out"]  # recorded: the out= buffer zeroed
         assert torch.equal(d["inplace"], torch.full((3,), float(r + 1))), d["inplace"]  # not reduced
         assert d["ran"] == 1 and d["stood_in"] == 3 and len(d["warmed"]) == 1, d
         assert torch.equal(d["check"], torch.tensor([0.0, 1.0])), d["check"]
