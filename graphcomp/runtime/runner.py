@@ -8,7 +8,9 @@ the piece runs eagerly with a warning. For each capture::
                with is_capturing() True (the same code path as capture); its
                collectives are recorded, not run (``_compat.collectives_not_run``:
                zeros of their shape; a process group's first collective runs),
-               so a capture call issues each collective once, as a replay does
+               and so are the trial capture's (its throwaway graph is replayed
+               once): a capture call issues each collective once (the replay of
+               the real capture), as a replay call does
     capture  : torch.cuda.CUDAGraph captured on the capture stream into the
                shared pool (RUNTIME.pool)
     replay   : copy "copy" inputs into static buffers (one torch._foreach_copy_),
@@ -252,7 +254,10 @@ class CudaGraphRunner:
                         self.fn(list(static_in))
                 SESSION.counters.add("warmup_collectives_stood_in", not_run.stood_in)
                 phase = "trial capture"
-                dev.trial_capture(stream, self.fn, static_in)
+                # the trial graph is replayed once: captured without its collectives, so
+                # that replay issues none (a capture call's one issue is the real replay)
+                with _compat.collectives_not_run(None):
+                    dev.trial_capture(stream, self.fn, static_in)
             dev.wait(dev.current_stream(), stream)
         except Exception as e:  # noqa: BLE001 - any failure: the piece runs eagerly (or "require" raises)
             cap.inputs = []

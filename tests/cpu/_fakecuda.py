@@ -147,8 +147,10 @@ class FakeDevice(manager.CudaDevice):
         return out
 
     def trial_capture(self, stream, fn, inputs):
-        """Runs ``fn`` on a copy of the input list as a capture would
-        (``self.in_capture`` True: ops that fail only under capture test it)."""
+        """As the CUDA device's: capture ``fn`` on a copy of the input list into a
+        throwaway graph (``self.in_capture`` True: ops that fail only under capture
+        test it; collectives recorded, not run), then replay that graph once (``fn``
+        again: the collectives it recorded run now, unless the caller records them)."""
         self.trials += 1
         self.in_capture = True
         try:
@@ -156,6 +158,7 @@ class FakeDevice(manager.CudaDevice):
                 fn(list(inputs))
         finally:
             self.in_capture = False
+        fn(list(inputs))  # the replay
 
     def pin_pool(self, pool):
         self.pins.append(pool)
