@@ -2,10 +2,11 @@
 not run (re-exported from ``graphcomp._compat``; the same rules apply: torch 2.11
 and 2.13, nothing of graphcomp imported).
 
-Why. A capture call runs its piece ``WARMUP_ITERS`` times eagerly before capturing
-it, and a capture records a collective without running it; the call's one real run
-is the replay. Had the warm-up run the piece's collectives, a capture call would
-issue them ``WARMUP_ITERS + 1`` times and a replay call once. Every rank captures at
+Why. A capture call runs its piece ``WARMUP_ITERS`` times eagerly, then captures it
+into a throwaway graph that it replays once (the trial), then captures it for real;
+a capture records a collective without running it; the call's one real run is the
+replay. Had the warm-up and the trial run the piece's collectives, a capture call
+would issue them ``WARMUP_ITERS + 2`` times and a replay call once. Every rank captures at
 the same calls only while ranks see the same shapes and make the same decisions; a
 rank that captures alone (a sequence length only it sees, a re-capture after a
 hazard or a moved address) would then issue collectives its peers never match: the

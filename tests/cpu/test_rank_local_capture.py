@@ -2,13 +2,13 @@
 collectives (issue 16: the 2-GPU soak, per-rank sequence lengths, hung on 2 H200s
 at 6220390).
 
-A capture call used to run its piece ``WARMUP_ITERS`` times with real collectives
-before capturing, then once more as the replay: a rank capturing alone (a sequence
-length only it sees) issued three all-gathers where its peer issued one. The
-warm-up now records collectives without running them
-(``_compat.collectives_not_run``); the stand-in device's capture does the same (a
-CUDA capture records, never runs). Reproduced here before the fix: the 2-rank run
-below hung in its second step (gloo timeout)."""
+A capture call used to run its piece ``WARMUP_ITERS`` times with real collectives,
+then replay a trial capture's throwaway graph, then replay the real capture: a rank
+capturing alone (a sequence length only it sees) issued four all-gathers where its
+peer issued one. The warm-up and the trial now stand in for collectives
+(``_compat.collectives_not_run``); the stand-in device's capture records them, as a
+CUDA capture does, and its trial replays like the CUDA one. The 2-rank run below
+hangs in its second step (gloo timeout) without either fix."""
 
 from __future__ import annotations
 
