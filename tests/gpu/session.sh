@@ -45,6 +45,7 @@ GRAPHCOMP_GPU_RESULTS="$OUT" run optimw1 240 python -m pytest -q -p no:cacheprov
 run chunk 240 python -m pytest -q -p no:cacheprovider -s tests/gpu/test_chunk_lm_loss_gpu.py
 run memory 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k memory
 GRAPHCOMP_GPU_RESULTS="$OUT" run soak 560 python -m pytest -q -p no:cacheprovider "tests/gpu/test_soak_gpu.py::test_soak_1000_steps_varying_lengths[1]"
+GRAPHCOMP_GPU_RESULTS="$OUT" run ranklocal2 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_soak_gpu.py -k different_steps
 # (soak: the test's own limit is GC_SOAK_TIMEOUT, default 540 s; keep SOAK*_T above it)
 GRAPHCOMP_GPU_RESULTS="$OUT" run soak2 ${SOAK2_T:-560} python -m pytest -q -p no:cacheprovider "tests/gpu/test_soak_gpu.py::test_soak_1000_steps_varying_lengths[2]"
 GRAPHCOMP_GPU_RESULTS="$OUT" run diverge 300 python -m pytest -q -p no:cacheprovider tests/gpu/test_divergence_gpu.py

@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--preset", default="demo")
+    p.add_argument("--codegen", default="inductor", choices=("inductor", "eager"),
+                   help="eager: the pieces' FX code (fast compiles; the short rank-local capture check)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--hang-dump", type=float, default=0.0,
@@ -60,7 +62,8 @@ def main() -> None:
     graphcomp.shard(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=cuda)
     step_fn = graphcomp.optim.capture(opt, max_norm=1.0)
-    cm = torch.compile(m, backend="graphcomp", dynamic=False)  # one graph per bucket, each captured
+    # one graph per bucket, each captured
+    cm = torch.compile(m, backend="graphcomp", dynamic=False, options={"codegen": a.codegen})
     lengths = random.Random(1234 + rank)
     alloc, resv, times, seqs, losses = [], [], [], [], []
     t_start = time.perf_counter()
@@ -88,10 +91,11 @@ def main() -> None:
     counters = {k: v for k, v in graphcomp.counters.items() if not k.startswith("bytes")}
     after = slice(SETTLE, None)
     res = {
-        "rank": rank, "world": world, "steps": a.steps, "preset": a.preset, "buckets": BUCKETS,
+        "rank": rank, "world": world, "steps": a.steps, "preset": a.preset, "codegen": a.codegen, "buckets": BUCKETS,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "wall_s": wall, "losses_every_50": losses,
         "bucket_counts": {b: seqs.count(b) for b in BUCKETS},
+        "first_step_of_bucket": {b: seqs.index(b) for b in BUCKETS if b in seqs},
         "step_ms_median_after_settle": 1e3 * sorted(times[after])[len(times[after]) // 2] if times[after] else None,
         "frames_compiled": counters.get("frames_compiled", 0), "recompiles": counters.get("recompiles", 0),
         "counters": counters, "optimizer": {k: v for k, v in step_fn.stats().items() if k != "decisions"},

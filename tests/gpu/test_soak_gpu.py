@@ -43,3 +43,23 @@ def test_soak_1000_steps_varying_lengths(nproc, tmp_path):
         assert r["reserved_max_after_settle"] <= r["reserved_at_settle"] + 2 * MiB, r
         assert r["allocated_max_last_100"] <= r["allocated_max_50_100"] + 2 * MiB, r
         assert r["released_graphs"] > 0 and r["teardown_s"] < 60, r
+
+
+def test_ranks_capturing_at_different_steps_stay_in_step_2gpu(tmp_path):
+    """The short check of the rank-local capture fix (e6098f2, 5dc402b): 40 steps of
+    the soak with eager codegen (fast compiles), per-rank sequence lengths, so a rank
+    compiles and captures a new length while its peer replays. At 6220390 the soak
+    hung at its first such step. About a minute on 2 GPUs."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    args = [str(tmp_path), "--steps", "40", "--codegen", "eager", "--hang-dump", "150"]
+    res = torchrun_results(SCRIPT, args, 2, tmp_path, stem="soak", keep="ranklocal_2gpu",
+                           what="rank-local captures", timeout=180, compile_threads=4)
+    firsts = [r["first_step_of_bucket"] for r in res]
+    assert firsts[0] != firsts[1], firsts  # the ranks met their lengths (and captured) at different steps
+    for r in res:
+        c = r["counters"]
+        assert c.get("warmup_collectives_stood_in", 0) > 0, c
+        assert c.get("cudagraph_fallbacks", 0) == 0 and c.get("capture_failures", 0) == 0, c
+        assert c.get("pieces_captured", 0) > 0 and c.get("replays", 0) >= 40, c
+        assert r["released_graphs"] > 0 and r["teardown_s"] < 60, r
