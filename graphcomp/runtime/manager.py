@@ -190,7 +190,7 @@ class Runtime:
         self._capturing = 0
         self._setup_done = False
         self.ledger = PoolLedger()
-        self.warmed_groups: set[str] = set()  # process groups whose first collective ran in a warm-up
+        self.warmed_groups = set()
         self.static_storages = set()
 
 
