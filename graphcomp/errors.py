@@ -24,13 +24,18 @@ class CaptureFailed(Exception):
 
 def failing_source(e: BaseException | None) -> str | None:
     """The innermost traceback frame of ``e`` outside torch's own files (the
-    generated piece code or the op that raised), as ``file:line``."""
+    generated piece code or the op that raised), as ``file:line``. The warm-up's
+    collective stand-in (``_compat_collectives``, a dispatch mode every op of a
+    warm-up or trial capture passes through) is skipped too: its frame would hide
+    the piece's line that names the op."""
     import traceback
 
     if e is None or e.__traceback__ is None:
         return None
     frames = traceback.extract_tb(e.__traceback__)
     for f in reversed(frames):
+        if f.filename.endswith("_compat_collectives.py"):
+            continue
         if "/torch/" not in f.filename or "torchinductor" in f.filename:
             return f"{f.filename}:{f.lineno} ({f.line.strip() if f.line else f.name})"
     return None

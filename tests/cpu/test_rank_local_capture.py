@@ -95,3 +95,23 @@ def test_collectives_not_run_records_all_but_a_groups_first():
         assert torch.equal(d["inplace"], torch.full((3,), float(r + 1))), d["inplace"]  # not reduced
         assert d["ran"] == 1 and d["stood_in"] == 3 and len(d["warmed"]) == 1, d
         assert torch.equal(d["check"], torch.tensor([0.0, 1.0])), d["check"]
+
+
+def test_capture_failure_names_the_piece_line_not_the_stand_in():
+    """An op that fails in a warm-up or trial capture passes through the stand-in's
+    dispatch mode: the failure's source is the piece's own line (the op), not the
+    mode's pass-through (2 H200s, 2507922: TP's trial-capture failure read
+    '_compat_collectives.py:84 (return func(*args, **kwargs))')."""
+    from graphcomp import _compat
+    from graphcomp.errors import failing_source
+
+    class M(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.mm(a, b)
+
+    gm = torch.fx.symbolic_trace(M())
+    with pytest.raises(RuntimeError) as info, _compat.collectives_not_run(None):
+        gm(torch.ones(2, 3), torch.ones(2, 3))
+    where = failing_source(info.value)
+    assert where is not None and "_compat_collectives" not in where, where
+    assert "torch.mm" in where, where

@@ -52,5 +52,5 @@ GRAPHCOMP_GPU_RESULTS="$OUT" run diverge 300 python -m pytest -q -p no:cacheprov
 GRAPHCOMP_GPU_RESULTS="$OUT" run tp ${TP_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
 for z in zoo zoo2; do [ -d "$OUT/$z" ] && tar czf "$OUT/$z.tgz" -C "$OUT" "$z" && rm -rf "$OUT/$z"; done
 # the device tool returns a limited number of files: one archive for the JSON and the archives
-( cd "$OUT" && f=$(ls *.json *.tgz 2>/dev/null) && [ -n "$f" ] && tar czf results.tar.gz $f && rm -f $f )
+( cd "$OUT" && f=$(ls *.json *.tgz 2>/dev/null; true) && [ -n "$f" ] && tar czf results.tar.gz $f && rm -f $f )
 ls -la "$OUT"
