@@ -189,18 +189,27 @@ def _users_device(node: fx.Node) -> torch.device | None:
     return next(iter(devs))
 
 
-def fold_host_constants(gm: fx.GraphModule) -> list[str]:
+def fold_host_constants(gm: fx.GraphModule, to_users_device: bool = True) -> list[str]:
     """Evaluate, once, every node whose value is a 0-dim CPU tensor computed from
     constants only (``lift_fresh_copy`` of a lifted ``torch.tensor(0)``, a CPU
     ``full([], v)``), and read the result as a tensor constant (``get_attr``) instead.
     Left in place, such a node is a CPU op and would cut the graph into an eager
     piece on every call (TP's vocab-parallel embedding did, on 2 H100s, 2026-11-25);
     folded, its device consumers read a constant (:func:`_reads_only_host_constants`).
-    Random, mutating and uninitialized (``empty*``) ops are never folded. A folded
-    value whose users all compute on one device is stored on that device: Inductor
-    copies a host constant into a device buffer at run time (``buf.copy_(const)``,
-    a pageable host-to-device copy that fails under capture: the TP run with
-    Inductor on 2 H200s, 2026-11-26), where eager kernels take it as a scalar.
+    Random, mutating and uninitialized (``empty*``) ops are never folded.
+
+    Where the constant lives depends on who runs the graph (``to_users_device``):
+
+    * Inductor (True): a folded value whose users all compute on one device is
+      stored on that device. Inductor copies a host constant into a device buffer
+      at run time (``buf.copy_(const)``, a pageable host-to-device copy that fails
+      under capture: the TP run with Inductor on 2 H200s, 2026-11-26).
+    * eager FX code (False): it stays on the host. Eager kernels read a 0-dim host
+      tensor as a launch scalar, and some read a 0-dim *device* tensor with
+      ``.item()``, a device-to-host sync that fails under capture (``index_put``
+      with a boolean mask becomes ``masked_fill_(mask, value.item())``: the TP run
+      with eager codegen on 2 H200s, 2026-11-26, at 2507922).
+
     Returns the names of the folded nodes."""
     folded: list[str] = []
     values: dict[fx.Node, torch.Tensor] = {}
@@ -229,7 +238,7 @@ def fold_host_constants(gm: fx.GraphModule) -> list[str]:
             continue
         if not _host_scalar(v):
             continue
-        dev = _users_device(n)
+        dev = _users_device(n) if to_users_device else None
         if dev is not None:  # Inductor would copy a host constant in at run time: not capturable
             try:
                 with _compat.real_tensors():  # (the compile's fake mode would refuse a real tensor)
@@ -404,7 +413,7 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 f"inputs to a CUDA device, or use cudagraphs='auto' (captures what it can) or 'off'."
             )
         return ctx.unchanged(gm, "no CUDA tensors in the graph: nothing to capture, no split")
-    folded = fold_host_constants(gm)
+    folded = fold_host_constants(gm, to_users_device=cfg.codegen == "inductor")
     if folded:
         ctx.count("host_constants_folded", len(folded))
         log.info("graphcomp %s: folded %d host constant(s) (%s) into tensor constants", ctx.stage, len(folded),

@@ -526,6 +526,36 @@ def test_host_constant_moves_to_its_users_device():
     assert out.device.type == "meta" and out.shape == (8, 4)
 
 
+def test_host_constant_for_eager_code_stays_on_the_host():
+    """For eager FX code the folded constant stays on the host even where its
+    users compute on a device: index_put with a boolean mask reads a device value
+    with .item() (a sync, not capturable: TP with eager codegen on 2 H200s,
+    2026-11-26), a host one as a launch scalar."""
+
+    def f(x, m):
+        y = x.clone()
+        y[m] = torch.tensor(0.0)
+        return (y.sin(),)
+
+    x = torch.randn(8, 4, device="meta")
+    gm = fake_trace(f, x, torch.ones(8, 4, dtype=torch.bool, device="meta"), mode="fake")
+    assert pg.fold_host_constants(gm, to_users_device=False) == ["lift_fresh_copy"]
+    consts = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert len(consts) == 1 and getattr(gm, consts[0].target).device.type == "cpu", gm.code
+    assert reasons_by_node(gm) == {}  # read as a launch scalar: no cut
+
+
+def test_partition_folds_for_the_codegen_that_runs_the_graph(monkeypatch):
+    """partition_graph asks for the device move only when Inductor compiles the pieces."""
+    seen = []
+    real = pg.fold_host_constants
+    monkeypatch.setattr(pg, "fold_host_constants", lambda gm, to_users_device=True: seen.append(to_users_device) or real(gm, to_users_device))
+    for codegen in ("eager", "inductor"):
+        gm = cudaify(fake_trace(lambda x: (x.sin(),), torch.randn(4), mode="fake"), cpu_nodes=set())
+        run_partition(gm, codegen=codegen, cudagraphs="auto")
+    assert seen == [False, True], seen
+
+
 def test_host_constant_used_on_the_host_stays_there():
     """A folded constant read by a device copy (its user computes on the host side
     of the copy) stays a host constant: the copy moves it, as the model wrote."""
