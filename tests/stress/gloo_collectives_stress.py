@@ -33,14 +33,39 @@ SIZES = [1, 7, 33, 64, 257, 1000, 4099, 20000]
 MALLOC_ENV = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165", "LIBC_FATAL_STDERR_": "1"}
 
 
-def _body(rank: int, world: int, iters: int, max_inflight: int, plain: bool, seed: int) -> dict:
+def _gloo_group(threads: int):
+    """A new gloo process group whose backend runs collectives on ``threads`` worker
+    threads (``ProcessGroupGloo``'s default is 2; ``new_group`` ignores gloo options,
+    so its constructor is wrapped for this one call)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d_py
+    from torch.distributed import ProcessGroupGloo
+
+    real = c10d_py.ProcessGroupGloo
+
+    class with_threads(real):  # (a subclass: c10d checks isinstance against the name)
+        def __init__(self, store, rank, size, timeout):
+            opts = ProcessGroupGloo._Options()
+            opts._threads = threads
+            opts._timeout = timeout
+            opts._devices = [ProcessGroupGloo.create_default_device()]
+            super().__init__(store, rank, size, opts)
+
+    c10d_py.ProcessGroupGloo = with_threads
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        c10d_py.ProcessGroupGloo = real
+
+
+def _body(rank: int, world: int, iters: int, max_inflight: int, plain: bool, seed: int, threads: int = 0) -> dict:
     import torch
     import torch.distributed as dist
 
     import graphcomp.ops  # noqa: F401  (registers graphcomp::)
 
     c10d, gc = torch.ops._c10d_functional, torch.ops.graphcomp
-    group = dist.group.WORLD.group_name
+    group = (_gloo_group(threads) if threads else dist.group.WORLD).group_name
     rng = random.Random(seed)  # same draws on every rank: same collectives, same order
     n_coll = bad = 0
     t0 = time.perf_counter()
@@ -78,7 +103,10 @@ def _body(rank: int, world: int, iters: int, max_inflight: int, plain: bool, see
             bad += int(not torch.equal(r, expected))
             n_coll += 1
         pending.clear()
-    return {"collectives": n_coll, "wrong_results": bad, "seconds": round(time.perf_counter() - t0, 1)}
+    import os
+
+    return {"collectives": n_coll, "wrong_results": bad, "seconds": round(time.perf_counter() - t0, 1),
+            "process_threads": len(os.listdir("/proc/self/task"))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-inflight", type=int, default=24, help="most collectives issued before the first wait")
     ap.add_argument("--plain", action="store_true", help="plain tensors instead of graphcomp's pack/unpack ops")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gloo-threads", type=int, default=0,
+                    help="run the collectives on a new gloo group with this many worker threads (0: the default group, 2 threads)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None, help="also write the result to this JSON file")
     args = ap.parse_args(argv)
@@ -97,11 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     from _dist import run_distributed
 
     t0 = time.monotonic()
-    out = {"iters": args.iters, "ranks": args.ranks, "max_inflight": args.max_inflight, "plain": args.plain}
+    out = {"iters": args.iters, "ranks": args.ranks, "max_inflight": args.max_inflight, "plain": args.plain,
+           "gloo_threads": args.gloo_threads or 2, "seed": args.seed}
     try:
         res = run_distributed(_body, args.ranks, args.iters, args.max_inflight, args.plain, args.seed,
-                              timeout=args.timeout, env=MALLOC_ENV)
-        out.update(status="ok", collectives=res[0]["collectives"],
+                              args.gloo_threads, timeout=args.timeout, env=MALLOC_ENV)
+        out.update(status="ok", collectives=res[0]["collectives"], process_threads=res[0]["process_threads"],
                    wrong_results=sum(r["wrong_results"] for r in res))
     except Exception as e:  # a crashed rank (RankError) or a hang (TimeoutError)
         out.update(status="failed", error=f"{type(e).__name__}: " + " | ".join(str(e).splitlines()[-2:])[:400])
