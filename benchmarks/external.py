@@ -129,9 +129,11 @@ def _raw_counters(graphcomp) -> dict:
 
 
 def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None,
-                    eager_optimizer: bool = False) -> Built:
+                    eager_optimizer: bool = False, whole_step: bool = False) -> Built:
     """``eager_optimizer``: torch's eager clip + step (the ``graphcomp-eager_optimizer``
-    system) instead of graphcomp's captured step (``graphcomp``, on CUDA)."""
+    system) instead of graphcomp's captured step (``graphcomp``, on CUDA).
+    ``whole_step``: the ``graphcomp`` step (captured optimizer) through
+    ``graphcomp.capture_step``, one CUDA graph per step (``graphcomp-whole_step``)."""
     graphcomp = _import_graphcomp()
     options: dict = {}
     if enable is not None:  # graphcomp-with_<pass>: a pass that is off by default, switched on
@@ -226,6 +228,16 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         step = standard_step(compiled, opt, ctx.device, autocast=not sharded, update=captured)
         cfg["optimizer_step"] = (f"graphcomp.optim.capture(opt, max_norm={CLIP}) (clip + step as one CUDA graph; "
                                  "torch's eager clip + step without CUDA), zero_grad(set_to_none=True)")
+    whole = None  # graphcomp.capture_step's step, when the system uses it
+    if whole_step:
+        capture_step = getattr(graphcomp, "capture_step", None)
+        if capture_step is None or captured is None:
+            raise NotRun("graphcomp.capture_step needs this graphcomp's capture_step and the captured optimizer "
+                         "(one rank or more, no --tp)")
+        whole = capture_step(step, params=[p for p in model.parameters() if p.requires_grad], optimizers=[captured])
+        step = whole
+        cfg["optimizer_step"] += "; the whole step (forward, backward, clip + step, zero_grad) through " \
+                                 "graphcomp.capture_step (one CUDA graph per step after 2 warm-up steps)"
     base_stats = stats
 
     def stats() -> dict:  # noqa: F811 - adds the captured step's own record
@@ -234,6 +246,9 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
             captured.sync_counters()
             record = captured.stats()
             out["optimizer"] = {**record, "decisions": record["decisions"][-3:]}
+        if whole is not None:
+            record = whole.stats()
+            out["whole_step"] = {**record, "decisions": record["decisions"][-3:]}
         return out
 
     return Built(step=step, config=cfg, compiles=True,
@@ -287,6 +302,10 @@ def memory_estimate(opt: torch.optim.Optimizer, codegen: str = "inductor") -> di
 
 def build_graphcomp_eager_optimizer(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, eager_optimizer=True)
+
+
+def build_graphcomp_whole_step(ctx: Ctx) -> Built:
+    return build_graphcomp(ctx, whole_step=True)
 
 
 def make_ablation_builder(pass_name: str):
@@ -391,6 +410,7 @@ def build_deepcompile(ctx: Ctx) -> Built:
 EXTERNAL_BUILDERS = {
     "graphcomp": build_graphcomp,
     "graphcomp-eager_optimizer": build_graphcomp_eager_optimizer,
+    "graphcomp-whole_step": build_graphcomp_whole_step,
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,
 }

@@ -115,6 +115,22 @@ class Counters(Mapping):
     """Optimizers that run eagerly for good (unsupported optimizer or option)."""
     optimizer_grad_copy_bytes: int = 0
     """Bytes of gradients copied into the captured step's static buffers."""
+    optimizer_steps_in_step_graph: int = 0
+    """Optimizer steps recorded inline into a whole-step graph (graphcomp.capture_step), once per capture."""
+
+    # ---- graphcomp.capture_step
+    step_captures: int = 0
+    """Captures of a whole training step (graphcomp.capture_step)."""
+    step_replays: int = 0
+    """Training steps run as one replay of the whole-step graph."""
+    step_calls_uncaptured: int = 0
+    """Calls of a capture_step step that ran the step function as it is (warm-up, changed inputs, fallbacks)."""
+    step_recaptures: int = 0
+    """Whole-step graphs dropped because something a replay cannot see changed (re-captured on the next call)."""
+    step_capture_failures: int = 0
+    """Whole-step captures that raised (the step then runs uncaptured for good, or raises with 'require')."""
+    step_capture_fallbacks: int = 0
+    """Steps that run uncaptured for good (a failed capture, too many re-captures)."""
 
     # ----------------------------------------------------------- writing
     def add(self, name: str, n: int | float = 1) -> None:

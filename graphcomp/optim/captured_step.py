@@ -496,6 +496,8 @@ class CapturedStep:
         return self._norm
 
     def __call__(self) -> torch.Tensor:
+        if RUNTIME.active_step is not None:
+            return self._inline(RUNTIME.active_step)
         plan = self._plan()
         if plan == "reference":
             self._reference_step()
@@ -512,6 +514,49 @@ class CapturedStep:
         self.replay()
         self._raise_if_nonfinite()
         return self._norm.clone()
+
+    def _inline(self, outer: Any) -> torch.Tensor:
+        """Called while ``graphcomp.capture_step`` captures the whole step: record the
+        clip + update into that graph (as this step's own capture would record it) and
+        register the host work each replay of it needs (:meth:`_outer_hook`)."""
+        if self.error_if_nonfinite:
+            raise RuntimeError(f"graphcomp.optim: {self.name} has error_if_nonfinite=True, which reads the norm on the "
+                               f"host every step: a whole-step graph cannot raise (use error_if_nonfinite=False; "
+                               f"skipped steps are still counted)")
+        plan = self._plan()
+        if plan not in ("capture", "replay"):
+            fix = ("warm the step up for more calls first (capture_step(warmup=...))" if plan == "warmup"
+                   else "it decides on the host every step")
+            raise RuntimeError(f"graphcomp.optim: {self.name} is in its {plan!r} phase (mode {self.mode!r}"
+                               f"{': ' + self.reason if self.reason else ''}); a whole-step capture needs it "
+                               f"captured: {fix}")
+        self._step_params = self._with_grad
+        self._hyper = self._hyper_key()
+        self._capturing_into = outer.graph_being_captured
+        try:
+            self._body([])
+        finally:
+            self._capturing_into = None
+        outer.add_hook(self._outer_hook)
+        SESSION.counters.add("optimizer_steps_in_step_graph")
+        self._decide("recorded inline into a whole-step capture (graphcomp.capture_step)")
+        return self._norm.clone()
+
+    def _outer_hook(self) -> str | None:
+        """Before a replay of a whole-step graph holding this step: the lr refresh,
+        and why the recorded step no longer holds (None: it holds)."""
+        opt = self.opt
+        if self.mode in ("eager", "reference") or self._released:
+            return f"the optimizer step {self.name} runs eagerly now ({self.reason})"
+        if (opt.state is not self._state_obj or opt.param_groups is not self._groups_obj
+                or [len(g["params"]) for g in opt.param_groups] != self._shape):
+            return "the optimizer's state or param_groups were replaced (load_state_dict, add_param_group)"
+        if _compat.optimizer_step_hooks(opt):
+            return "optimizer step hooks are registered"
+        self._sync_lr()
+        if self._hyper_key() != self._hyper:
+            return "an optimizer hyper-parameter changed"
+        return None
 
     def _raise_if_nonfinite(self) -> None:
         if self.error_if_nonfinite and not bool(self._finite):

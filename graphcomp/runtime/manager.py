@@ -53,6 +53,7 @@ class Runtime:
         # calls their release(final=True); they allocate from pools of their own
         self.owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._capturing = 0
+        self.active_step: Any = None  # the graphcomp.capture_step whose function is being captured
         self._setup_done = False
         self.ledger = PoolLedger()
         self.warmed_groups: set[str] = set()  # process groups whose first collective ran in a warm-up
@@ -188,6 +189,7 @@ class Runtime:
         self.pool = None
         self.stream = None
         self._capturing = 0
+        self.active_step = None
         self._setup_done = False
         self.ledger = PoolLedger()
         self.warmed_groups = set()

@@ -39,8 +39,20 @@ class FakeGraph:
         self.returned = []  # (weak ref to the returned tensor's storage, memory tensor)
         self.freed = None  # memory of earlier graphs' outputs this one may overwrite
         self.released = False
+        self.whole_step = False  # a graphcomp.capture_step graph (see FakeDevice.capture)
+        self.skip_next = False
 
     def replay(self):
+        if self.whole_step:  # graphcomp.capture_step's graph: the step function again, into its outputs
+            if self.skip_next:
+                self.skip_next = False
+                return
+            new = self.fn([])
+            with torch.no_grad():
+                for o, n in zip(self.memory, new):
+                    if isinstance(o, torch.Tensor):
+                        o.copy_(n)
+            return
         ins = list(self.inputs)
         if self.first_inputs is not None:
             ins = [a if a is not None else b for a, b in zip(ins, self.first_inputs)]
@@ -117,6 +129,15 @@ class FakeDevice(manager.CudaDevice):
             raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (stand-in: a capture into a pool "
                                "whose graphs were all reset, not pinned)")
         used.append(g)
+        from graphcomp.step_capture import StepCapture
+
+        if isinstance(getattr(fn, "__self__", None), StepCapture):
+            # a whole training step (impure: it updates parameters): its capture call's
+            # step runs here, for real, once (a CUDA capture executes nothing and the
+            # capture call then replays); every later replay runs the step function again
+            g.fn, g.whole_step, g.skip_next = fn, True, True
+            g.memory = list(fn(inputs))
+            return list(g.memory)
         g.fn, g.inputs = fn, replay_inputs
         g.first_inputs = list(inputs)
         refs = [StorageWeakRef(a.untyped_storage()) for a in inputs if isinstance(a, torch.Tensor)]
