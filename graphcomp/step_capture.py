@@ -87,7 +87,8 @@ class StepCapture:
                  cudagraphs: str, clone_outputs: bool, check_static_inputs: str, max_recaptures: int):
         self.fn = fn
         self.params = params
-        self.optimizers = optimizers
+        self.optimizers = optimizers  # torch optimizers (their state's addresses are checked)
+        self._prepare: list[Callable[[], None]] = []  # host work before a capture (captured optimizer steps)
         self.warmup, self.clone_outputs, self.max_recaptures = warmup, clone_outputs, max_recaptures
         self.require = cudagraphs == "require"
         self.check_always = check_static_inputs == "always"
@@ -236,6 +237,11 @@ class StepCapture:
         self._body_args = [next(it) if isinstance(t, torch.Tensor) else t for t in leaves]
         self._in_spec = spec
         self._hooks = []
+        # host work before the capture (the captured optimizer steps' lr refresh; those the
+        # caller passed, and any the runtime knows of)
+        owners = [o for o in list(RUNTIME.owners) if hasattr(o, "prepare_for_step_capture")]
+        for prepare in dict.fromkeys([*self._prepare, *(o.prepare_for_step_capture for o in owners)]):
+            prepare()
         self._pool = dev.pool_handle()  # private: never overlaps the pieces' shared pool
         g = dev.new_graph()
         stream = RUNTIME.stream
@@ -270,6 +276,8 @@ class StepCapture:
         SESSION.counters.add("step_captures")
         self._decide(f"captured ({len(self._static)} input tensor(s), {len(self._outs)} output(s), "
                      f"{len(self._hooks)} host hook(s) before each replay)")
+        for hook in self._hooks:  # (the host work every replay gets: the lr refresh)
+            hook()
         g.replay()  # the capture call's own step
         self.replays += 1
         SESSION.counters.add("step_replays")
@@ -358,6 +366,8 @@ def capture_step(fn: Callable[..., Any], *, params: Iterable[torch.Tensor], opti
         if not hasattr(inner, "state"):
             raise ValueError(f"graphcomp.capture_step: optimizers must be torch optimizers (or graphcomp.optim.capture "
                              f"steps), got {type(o).__name__}")
-    return StepCapture(fn, plist, [getattr(o, "opt", o) for o in opts], warmup=warmup, cudagraphs=cudagraphs,
+    step = StepCapture(fn, plist, [getattr(o, "opt", o) for o in opts], warmup=warmup, cudagraphs=cudagraphs,
                        clone_outputs=clone_outputs, check_static_inputs=check_static_inputs,
                        max_recaptures=max_recaptures)
+    step._prepare = [o.prepare_for_step_capture for o in opts if hasattr(o, "prepare_for_step_capture")]
+    return step

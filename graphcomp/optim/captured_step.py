@@ -398,7 +398,7 @@ class CapturedStep:
                 self._grad_views.append(buf)
 
     # -------------------------------------------------------------- calling
-    def _plan(self, check_grads: bool = True) -> str:
+    def _plan(self, check_grads: bool = True, sync_lr: bool = True) -> str:
         """This step's host-side work; returns "reference", "eager", "warmup",
         "capture" or "replay"."""
         if self.mode == "reference":
@@ -412,7 +412,8 @@ class CapturedStep:
             if self._graph is not None:
                 self._invalidate("the optimizer's state or param_groups were replaced (load_state_dict, add_param_group)")
             self._adopt()
-        self._sync_lr()
+        if sync_lr:  # (not while a whole-step capture records: the refresh would become part of its graph)
+            self._sync_lr()
         if self.mode == "eager" or self._released:
             return "eager"
         hyper = self._hyper_key()
@@ -523,7 +524,7 @@ class CapturedStep:
             raise RuntimeError(f"graphcomp.optim: {self.name} has error_if_nonfinite=True, which reads the norm on the "
                                f"host every step: a whole-step graph cannot raise (use error_if_nonfinite=False; "
                                f"skipped steps are still counted)")
-        plan = self._plan()
+        plan = self._plan(sync_lr=False)
         if plan not in ("capture", "replay"):
             fix = ("warm the step up for more calls first (capture_step(warmup=...))" if plan == "warmup"
                    else "it decides on the host every step")
@@ -541,6 +542,13 @@ class CapturedStep:
         SESSION.counters.add("optimizer_steps_in_step_graph")
         self._decide("recorded inline into a whole-step capture (graphcomp.capture_step)")
         return self._norm.clone()
+
+    def prepare_for_step_capture(self) -> None:
+        """Before ``graphcomp.capture_step`` captures a step holding this one: the lr
+        refresh, outside the capture (inside, its copy would become part of the graph
+        and reset the lr to the capture's value at every replay)."""
+        if self._adopted and self.mode not in ("eager", "reference"):
+            self._sync_lr()
 
     def _outer_hook(self) -> str | None:
         """Before a replay of a whole-step graph holding this step: the lr refresh,

@@ -116,8 +116,7 @@ def test_whole_step_is_bitwise_the_uncaptured_step(pg1, sdev):
     assert got[-2]["loss"].data_ptr() != got[-1]["loss"].data_ptr()
 
 
-def test_lr_schedule_reaches_the_replays_without_recapture(pg1, sdev):
-    """The captured optimizer's host hook refreshes the lr tensor before every replay."""
+def _scheduled(whole: bool, sdev):
     graphcomp.reset()
     RUNTIME.device = sdev
     m, opt = make(seed=0, cls=torch.optim.AdamW, kw=dict(lr=1e-2, fused=True))
@@ -128,13 +127,32 @@ def test_lr_schedule_reaches_the_replays_without_recapture(pg1, sdev):
         cstep()
         opt.zero_grad(set_to_none=True)
 
-    step = graphcomp.capture_step(train_step, params=m.parameters(), optimizers=[opt])
+    # on a GPU a refresh inside the capture would be a copy kernel in the graph, resetting
+    # the lr to the capture's value at every replay: none may run while fn is captured
+    real_sync = cstep._sync_lr
+
+    def sync_lr():
+        assert RUNTIME.active_step is None, "lr refreshed while the whole step was being captured"
+        real_sync()
+
+    cstep._sync_lr = sync_lr
+    # (the torch optimizer passed, not the captured step: the runtime still finds the step)
+    run = graphcomp.capture_step(train_step, params=m.parameters(), optimizers=[opt]) if whole else train_step
     seen = []
     for i in range(6):
         opt.param_groups[0]["lr"] = 1e-2 / (i + 1)  # a schedule, outside the step function
-        step(*batch(i))
+        run(*batch(i))
         seen.append(float(cstep._lr[0]))
-    assert seen == [pytest.approx(1e-2 / (i + 1)) for i in range(6)], seen
+    return seen, [_local(p).clone() for p in m.parameters()]
+
+
+def test_lr_schedule_reaches_the_replays_without_recapture(pg1, sdev):
+    """The captured optimizer's lr is refreshed before the capture (outside it) and by
+    its host hook before every replay: the same parameters as without capture_step."""
+    ref_seen, ref = _scheduled(False, sdev)
+    seen, got = _scheduled(True, sdev)
+    assert seen == [pytest.approx(1e-2 / (i + 1)) for i in range(6)] == ref_seen, seen
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
     graphcomp.counters.expect(step_captures=1, step_recaptures=0)
 
 
