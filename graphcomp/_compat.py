@@ -334,6 +334,11 @@ def process_group_name(group: Any) -> str:
     return _get_process_group_name(group)
 
 
+# ------------------------------------------------------ gloo worker threads
+# (one worker thread per gloo group: see the module's docstring) in graphcomp/_compat_gloo.py
+from ._compat_gloo import gloo_worker_threads, group_is_live, new_gloo_group  # noqa: E402,F401
+
+
 # ------------------------------------------- CUDA-graph warm-up: collectives
 # (a warm-up records collectives without running them): in graphcomp/_compat_collectives.py
 from ._compat_collectives import collectives_not_run  # noqa: E402,F401

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _compat, gather_scope, mesh_sharding
+from . import _compat, gather_scope, gloo_groups, mesh_sharding
 from .shard_gather import _GatherParam, gather, gather_local, reduce_grad  # noqa: F401 (re-exported)
 from .shard_layout import (  # noqa: F401 (re-exported)
     _INFO_ATTR, ShardInfo, _contiguous_strides, _dtensor_cls, _padded_local, _row_slice,
@@ -261,12 +261,14 @@ def shard(
     _mark_eager_frames()
     if group is None:
         group = dist.group.WORLD
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    group_name = _compat.process_group_name(group)
     if not owners:
         log.warning("graphcomp.shard: %s has no parameters; nothing sharded", type(model).__name__)
         return model
     device = owners[0][3].device
+    if plan is None and device.type == "cpu":
+        group = gloo_groups.serial_group(group)  # one gloo worker thread (docs/heap-corruption.md)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    group_name = _compat.process_group_name(group)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from graphcomp import gloo_groups, memory
 from graphcomp import graph_utils as gu
-from graphcomp import memory
 from graphcomp.ops import OPS
 from graphcomp.pipeline import PassContext, PassResult, register_pass
 
@@ -243,11 +243,18 @@ def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return ctx.unchanged(gm, "no all_gather / reduce_scatter of graphcomp's in the graph (tensor-parallel "
                                  "ones stay in place)")
     if not ctx.frame.prefetch_cpu_graphs and not gu.has_cuda_tensors(gm):
-        # CPU (gloo): several gloo collectives in flight corrupt the heap, rarely,
-        # below graphcomp (reproduced with raw functional collectives, no graph):
-        # docs/heap-corruption.md. FramePlan.prefetch_cpu_graphs=True opts in.
-        return ctx.unchanged(gm, "CPU graph (gloo): collectives stay waited in place (several gloo collectives "
-                                 "in flight corrupt the heap, rarely: docs/heap-corruption.md)")
+        # CPU (gloo): two collectives of one group running at once on gloo's worker
+        # threads can corrupt memory or hang inside gloo (docs/heap-corruption.md).
+        # graphcomp.shard puts CPU parameters on a group with one worker thread
+        # (graphcomp.gloo_groups): there collectives run one at a time, and prefetching
+        # is safe. Any other group: collectives stay waited in place, unless
+        # FramePlan.prefetch_cpu_graphs=True opts in.
+        groups = {gu.collective_group(n) for n in gm.graph.nodes if gu.collective_kind(n) is not None}
+        unsafe = sorted(str(g) for g in groups if not gloo_groups.is_serial(str(g)))
+        if unsafe:
+            return ctx.unchanged(gm, f"CPU graph (gloo) with collectives on group(s) {', '.join(unsafe)}, which may "
+                                     f"run several at once on gloo's worker threads (memory corruption or a hang "
+                                     f"inside gloo: docs/heap-corruption.md): collectives stay waited in place")
     budget = memory.resolve_budget(ctx.config.memory_budget, gm)
     original = {n: (i,) for i, n in enumerate(gm.graph.nodes)}
     before = memory.estimate(gm)

@@ -137,6 +137,30 @@ def test_cpu_graphs_stay_in_place_by_default_and_the_knob_reorders_them():
     assert res.changed and res.gm.code != code and _ahead(res.gm) == [0, 2, 2, 2]
 
 
+def test_cpu_graphs_on_a_one_thread_gloo_group_are_prefetched(monkeypatch):
+    """A CPU graph whose collectives all run on a gloo group with one worker thread
+    (what graphcomp.shard gives CPU parameters: graphcomp.gloo_groups) is scheduled as
+    a CUDA graph is: there collectives run one at a time (docs/heap-corruption.md)."""
+    from graphcomp import gloo_groups
+    from graphcomp.config import Config
+    from graphcomp.pipeline import PassContext, PassRecord, get_pass
+    from graphcomp.plan import FramePlan
+
+    monkeypatch.setattr(gloo_groups, "_SERIAL", {"g"})
+    gm = _layers(4)
+    ctx = PassContext(config=Config.from_options({"prefetch_bytes": W_BYTES}), frame_id=0, stage="fwd",
+                      frame=FramePlan())
+    ctx.record = PassRecord(name="schedule_prefetch", stage="fwd", enabled=True)
+    res = get_pass("schedule_prefetch").fn(gm, ctx)
+    res.gm.recompile()
+    assert res.changed and _ahead(res.gm) == [0, 2, 2, 2]
+    monkeypatch.setattr(gloo_groups, "_SERIAL", {"other"})
+    gm = _layers(4)
+    ctx.record = PassRecord(name="schedule_prefetch", stage="fwd", enabled=True)
+    res = get_pass("schedule_prefetch").fn(gm, ctx)
+    assert not res.changed and "group(s) g" in ctx.record.reason
+
+
 # ------------------------------------------------------------------ properties
 _OPS = st.lists(st.sampled_from(["layer", "act", "rs", "layer2"]), min_size=1, max_size=10)
 
