@@ -178,7 +178,6 @@ def test_bf16_schedule_policies_are_bitwise_equal(ranks2):
             for k in bp:
                 torch.testing.assert_close(params[k], bp[k], rtol=0, atol=0, msg=lambda m, k=k: f"{name} {k}: {m}")
     c = base[0][2]
-    # schedule_free resharded; schedule_prefetch leaves CPU (gloo) graphs alone
-    # (docs/heap-corruption.md) and is exercised on hand-built graphs and by
-    # tests/stress/gloo_stress.py --prefetch-cpu on instead
-    assert c["gathers_resharded"] > 0 and c.get("pass:schedule_prefetch:changed", 0) == 0
+    # schedule_free resharded; schedule_prefetch reordered the forward and the backward
+    # (the CPU parameters sit on a one-worker-thread gloo group: docs/heap-corruption.md)
+    assert c["gathers_resharded"] > 0 and c.get("pass:schedule_prefetch:changed", 0) == 2
