@@ -34,9 +34,18 @@ def gloo_worker_threads(group: Any) -> int | None:
     return int(threads) if isinstance(threads, int) else None
 
 
-def new_gloo_group(ranks: list[int] | None, threads: int) -> Any:
-    """``dist.new_group(ranks, backend="gloo")`` whose backend runs collectives on
-    ``threads`` worker threads. Collective over the default group (every rank calls it)."""
+def gloo_timeout(group: Any) -> Any:
+    """The collective timeout (a ``timedelta``) of the gloo backend of ``group``, or None."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        return backend.options._timeout
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def new_gloo_group(ranks: list[int] | None, threads: int, timeout: Any = None) -> Any:
+    """``dist.new_group(ranks, timeout, backend="gloo")`` whose backend runs collectives
+    on ``threads`` worker threads. Collective over the default group (every rank calls it)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d_py
     from torch.distributed import ProcessGroupGloo
@@ -53,7 +62,7 @@ def new_gloo_group(ranks: list[int] | None, threads: int) -> Any:
 
     c10d_py.ProcessGroupGloo = _WithThreads
     try:
-        return dist.new_group(ranks=ranks, backend="gloo")
+        return dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
     finally:
         c10d_py.ProcessGroupGloo = real
 

@@ -7,7 +7,7 @@ runs of the collective stress with 2 worker threads, none in 11 with 1). graphco
 keeps several collectives in flight (bucketed reduce-scatters in the backward,
 prefetched gathers), so ``graphcomp.shard`` on CPU parameters and a gloo group with
 more than one worker thread shards over a twin of that group instead: the same
-ranks, one worker thread (made once per group; every rank calls ``shard``). Its
+ranks and collective timeout, one worker thread (made once per group; every rank calls ``shard``). Its
 collectives then run one at a time, in issue order, while compute overlaps them as
 before. ``GRAPHCOMP_GLOO_SINGLE_THREAD=0`` keeps the group as given.
 
@@ -55,7 +55,7 @@ def serial_group(group: Any) -> Any:
     key = (id(group), name)
     twin = _TWINS.get(key)
     if twin is None or not _compat.group_is_live(twin):
-        twin = _compat.new_gloo_group(None, 1)
+        twin = _compat.new_gloo_group(None, 1, _compat.gloo_timeout(group))  # (the group's collective timeout)
         _TWINS[key] = twin
         log.info("graphcomp.shard: gloo group %s runs collectives on %d worker threads; graphcomp's collectives use "
                  "group %s instead (the same ranks, 1 worker thread: concurrent gloo collectives can corrupt memory "

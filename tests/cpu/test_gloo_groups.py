@@ -29,6 +29,7 @@ def _groups(rank: int, world: int) -> dict:
     out["names"] = names
     twin = next(g for g in gloo_groups._TWINS.values() if _compat.process_group_name(g) == names[0])
     out["twin_threads"] = _compat.gloo_worker_threads(twin)
+    out["timeouts"] = (_compat.gloo_timeout(dist.group.WORLD), _compat.gloo_timeout(twin))
     out["serial"] = gloo_groups.is_serial(names[0])
     # a step through the twin: sharded training as usual
     torch.manual_seed(0)
@@ -52,5 +53,6 @@ def test_cpu_parameters_shard_over_a_one_thread_twin_of_the_group():
         assert r["world_threads"] == 2, r  # torch's default
         assert r["names"][0] == r["names"][1] != r["world_name"], r  # one twin, made once
         assert r["twin_threads"] == 1 and r["serial"], r
+        assert r["timeouts"][0] == r["timeouts"][1] and r["timeouts"][0] is not None, r  # a hang fails as fast
         assert r["grad_ok"], r
         assert r["opt_out_name"] == r["world_name"], r
