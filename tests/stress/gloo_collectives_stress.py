@@ -35,27 +35,10 @@ MALLOC_ENV = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165", "LIBC_FATAL_STDERR
 
 def _gloo_group(threads: int):
     """A new gloo process group whose backend runs collectives on ``threads`` worker
-    threads (``ProcessGroupGloo``'s default is 2; ``new_group`` ignores gloo options,
-    so its constructor is wrapped for this one call)."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d_py
-    from torch.distributed import ProcessGroupGloo
+    threads (``ProcessGroupGloo``'s default is 2): ``graphcomp._compat.new_gloo_group``."""
+    from graphcomp import _compat
 
-    real = c10d_py.ProcessGroupGloo
-
-    class with_threads(real):  # (a subclass: c10d checks isinstance against the name)
-        def __init__(self, store, rank, size, timeout):
-            opts = ProcessGroupGloo._Options()
-            opts._threads = threads
-            opts._timeout = timeout
-            opts._devices = [ProcessGroupGloo.create_default_device()]
-            super().__init__(store, rank, size, opts)
-
-    c10d_py.ProcessGroupGloo = with_threads
-    try:
-        return dist.new_group(backend="gloo")
-    finally:
-        c10d_py.ProcessGroupGloo = real
+    return _compat.new_gloo_group(None, threads)
 
 
 def _body(rank: int, world: int, iters: int, max_inflight: int, plain: bool, seed: int, threads: int = 0) -> dict:
