@@ -336,7 +336,9 @@ def process_group_name(group: Any) -> str:
 
 # ------------------------------------------------------ gloo worker threads
 # (one worker thread per gloo group: see the module's docstring) in graphcomp/_compat_gloo.py
-from ._compat_gloo import gloo_timeout, gloo_worker_threads, group_is_live, new_gloo_group  # noqa: E402,F401
+from ._compat_gloo import (  # noqa: E402,F401
+    gloo_timeout, gloo_worker_threads, group_by_name, group_is_live, new_gloo_group,
+)
 
 
 # ------------------------------------------- CUDA-graph warm-up: collectives

@@ -67,6 +67,16 @@ def new_gloo_group(ranks: list[int] | None, threads: int, timeout: Any = None) -
         c10d_py.ProcessGroupGloo = real
 
 
+def group_by_name(name: str) -> Any:
+    """The live process group registered under ``name``, or None."""
+    import torch.distributed.distributed_c10d as c10d_py
+
+    try:
+        return c10d_py._resolve_process_group(name)
+    except Exception:  # noqa: BLE001 - unknown or destroyed
+        return None
+
+
 def group_is_live(group: Any) -> bool:
     """Whether ``group`` is still registered (not destroyed with its world)."""
     import torch.distributed.distributed_c10d as c10d_py

@@ -14,7 +14,7 @@ before. ``GRAPHCOMP_GLOO_SINGLE_THREAD=0`` keeps the group as given.
 Only a group spanning the whole world is twinned (``new_group`` is collective over
 the world; a subgroup's non-members never call ``shard``); a subgroup is kept, with
 a log line. ``is_serial(name)`` tells ``schedule_prefetch`` whether a CPU graph's
-collectives all run on such a group (then prefetching is safe there too).
+collectives all run on a one-thread gloo group (then prefetching is safe there too).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ log = logging.getLogger("graphcomp.gloo_groups")
 __all__ = ["is_serial", "serial_group"]
 
 _TWINS: dict[tuple[int, str], Any] = {}
-_SERIAL: set[str] = set()  # names of gloo groups with one worker thread graphcomp has seen
 
 
 def serial_group(group: Any) -> Any:
@@ -46,7 +45,6 @@ def serial_group(group: Any) -> Any:
     if threads is None:
         return group
     if threads <= 1:
-        _SERIAL.add(name)
         return group
     if dist.get_world_size(group) != dist.get_world_size():
         log.info("graphcomp.shard: gloo group %s runs %d worker threads but is a subgroup: kept as given (several "
@@ -61,10 +59,12 @@ def serial_group(group: Any) -> Any:
                  "group %s instead (the same ranks, 1 worker thread: concurrent gloo collectives can corrupt memory "
                  "or hang, docs/heap-corruption.md; GRAPHCOMP_GLOO_SINGLE_THREAD=0 keeps the group)",
                  name, threads, _compat.process_group_name(twin))
-    _SERIAL.add(_compat.process_group_name(twin))
     return twin
 
 
 def is_serial(group_name: str) -> bool:
-    """Whether ``group_name`` is a gloo group graphcomp knows runs one worker thread."""
-    return group_name in _SERIAL
+    """Whether the live group ``group_name`` is a gloo group with one worker thread
+    (asked of the group itself: a name reused after its world was destroyed and
+    initialized again answers for the group that has it now)."""
+    group = _compat.group_by_name(group_name)
+    return group is not None and _compat.gloo_worker_threads(group) == 1

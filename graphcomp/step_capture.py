@@ -84,11 +84,12 @@ class StepCapture:
     ``clone_outputs=False``). ``stats()`` says what ran and why."""
 
     def __init__(self, fn: Callable[..., Any], params: list[torch.Tensor], optimizers: list[Any], *, warmup: int,
-                 cudagraphs: str, clone_outputs: bool, check_static_inputs: str, max_recaptures: int):
+                 cudagraphs: str, clone_outputs: bool, check_static_inputs: str, max_recaptures: int,
+                 prepare: list[Callable[[], None]] = ()):
         self.fn = fn
         self.params = params
         self.optimizers = optimizers  # torch optimizers (their state's addresses are checked)
-        self._prepare: list[Callable[[], None]] = []  # host work before a capture (captured optimizer steps)
+        self._prepare = list(prepare)  # host work before a capture (captured optimizer steps)
         self.warmup, self.clone_outputs, self.max_recaptures = warmup, clone_outputs, max_recaptures
         self.require = cudagraphs == "require"
         self.check_always = check_static_inputs == "always"
@@ -109,6 +110,7 @@ class StepCapture:
         self._checked = 0
         self._hooks: list[Callable[[], str | None]] = []
         self._body_args: list[Any] = []
+        self._in_spec: Any = None
 
     # ------------------------------------------------------------ decisions
     def _decide(self, msg: str, level: int = logging.INFO) -> None:
@@ -183,10 +185,14 @@ class StepCapture:
         self.recaptures += 1
         SESSION.counters.add("step_recaptures")
 
-    def _replay(self, leaves: list[Any]) -> Any:
+    def _copy_in(self, leaves: list[Any]) -> None:
+        """The call's input tensors into the graph's buffers (one kernel launch)."""
         src = [t for t in leaves if isinstance(t, torch.Tensor)]
         if src:
             torch._foreach_copy_(self._static, src)
+
+    def _replay(self, leaves: list[Any]) -> Any:
+        self._copy_in(leaves)
         self.graph.replay()
         self.replays += 1
         SESSION.counters.add("step_replays")
@@ -230,9 +236,7 @@ class StepCapture:
         self._grads_key = _compat.local_data_ptrs(grads_before)
         # the graph's input buffers: contiguous (an expanded input would alias itself)
         self._static = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in leaves if isinstance(t, torch.Tensor)]
-        src = [t for t in leaves if isinstance(t, torch.Tensor)]
-        if src:
-            torch._foreach_copy_(self._static, src)
+        self._copy_in(leaves)
         it = iter(self._static)
         self._body_args = [next(it) if isinstance(t, torch.Tensor) else t for t in leaves]
         self._in_spec = spec
@@ -366,8 +370,7 @@ def capture_step(fn: Callable[..., Any], *, params: Iterable[torch.Tensor], opti
         if not hasattr(inner, "state"):
             raise ValueError(f"graphcomp.capture_step: optimizers must be torch optimizers (or graphcomp.optim.capture "
                              f"steps), got {type(o).__name__}")
-    step = StepCapture(fn, plist, [getattr(o, "opt", o) for o in opts], warmup=warmup, cudagraphs=cudagraphs,
+    return StepCapture(fn, plist, [getattr(o, "opt", o) for o in opts], warmup=warmup, cudagraphs=cudagraphs,
                        clone_outputs=clone_outputs, check_static_inputs=check_static_inputs,
-                       max_recaptures=max_recaptures)
-    step._prepare = [o.prepare_for_step_capture for o in opts if hasattr(o, "prepare_for_step_capture")]
-    return step
+                       max_recaptures=max_recaptures,
+                       prepare=[o.prepare_for_step_capture for o in opts if hasattr(o, "prepare_for_step_capture")])

@@ -23,6 +23,16 @@ from graphcomp.runtime import manager
 from graphcomp.runtime.static import memory_of
 
 
+def replay_whole_step(fn, outputs):
+    """A stand-in replay of a graphcomp.capture_step graph: the step function again,
+    its results written into the captured outputs (what a CUDA replay overwrites)."""
+    new = fn([])
+    with torch.no_grad():
+        for o, n in zip(outputs, new):
+            if isinstance(o, torch.Tensor):
+                o.copy_(n)
+
+
 class FakeGraph:
     """Replays into its captured output memory, and, as the worst case of a shared
     pool, scribbles over (a) every pool output of graphs captured after it (their
@@ -47,11 +57,7 @@ class FakeGraph:
             if self.skip_next:
                 self.skip_next = False
                 return
-            new = self.fn([])
-            with torch.no_grad():
-                for o, n in zip(self.memory, new):
-                    if isinstance(o, torch.Tensor):
-                        o.copy_(n)
+            replay_whole_step(self.fn, self.memory)
             return
         ins = list(self.inputs)
         if self.first_inputs is not None:

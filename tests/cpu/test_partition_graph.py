@@ -501,11 +501,10 @@ def test_host_scalar_constant_is_folded_and_its_consumer_captured():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_host_constant_moves_to_its_users_device():
-    """A folded constant whose users all compute on one device is stored there
-    (Inductor would otherwise copy it in with a pageable host-to-device copy at
-    run time, which fails under capture: TP + Inductor on 2 H200s, 2026-11-26).
-    The ``meta`` device stands in for CUDA on this machine."""
+def _masked_zero_on_meta():
+    """``y[m] = torch.tensor(0.0)`` (a lifted host constant written under a mask, as
+    DTensor's vocab-parallel embedding does) traced with fake tensors on the meta
+    device, which stands in for CUDA here; returns (x, graph)."""
 
     def f(x, m):
         y = x.clone()
@@ -513,7 +512,16 @@ def test_host_constant_moves_to_its_users_device():
         return (y.sin(),)
 
     x = torch.randn(8, 4, device="meta")
-    gm = fake_trace(f, x, torch.ones(8, 4, dtype=torch.bool, device="meta"), mode="fake")
+    return x, fake_trace(f, x, torch.ones(8, 4, dtype=torch.bool, device="meta"), mode="fake")
+
+
+def test_host_constant_moves_to_its_users_device():
+    """A folded constant whose users all compute on one device is stored there
+    (Inductor would otherwise copy it in with a pageable host-to-device copy at
+    run time, which fails under capture: TP + Inductor on 2 H200s, 2026-11-26).
+    The ``meta`` device stands in for CUDA on this machine."""
+
+    x, gm = _masked_zero_on_meta()
     fake_mode = next(n.meta["val"].fake_mode for n in gm.graph.nodes if hasattr(n.meta.get("val"), "fake_mode"))
     with fake_mode:  # as inside a compile (a real tensor's move must step out of it)
         assert pg.fold_host_constants(gm) == ["lift_fresh_copy"]
@@ -532,13 +540,7 @@ def test_host_constant_for_eager_code_stays_on_the_host():
     with .item() (a sync, not capturable: TP with eager codegen on 2 H200s,
     2026-11-26), a host one as a launch scalar."""
 
-    def f(x, m):
-        y = x.clone()
-        y[m] = torch.tensor(0.0)
-        return (y.sin(),)
-
-    x = torch.randn(8, 4, device="meta")
-    gm = fake_trace(f, x, torch.ones(8, 4, dtype=torch.bool, device="meta"), mode="fake")
+    x, gm = _masked_zero_on_meta()
     assert pg.fold_host_constants(gm, to_users_device=False) == ["lift_fresh_copy"]
     consts = [n for n in gm.graph.nodes if n.op == "get_attr"]
     assert len(consts) == 1 and getattr(gm, consts[0].target).device.type == "cpu", gm.code
