@@ -289,10 +289,7 @@ class StepCapture:
 
     def _drop_graph(self) -> None:
         if self.graph is not None:
-            try:
-                self.graph.reset()
-            except Exception:  # pragma: no cover
-                pass
+            RUNTIME.device.reset_graph(self.graph)
         self.graph = None
         self._outs, self._static, self._body_args, self._hooks = [], [], [], []
 

@@ -67,6 +67,7 @@ class CapturedStep:
         self._with_grad: list[torch.Tensor] = []  # the params the captured step updates
         self._step_params: list[torch.Tensor] = []  # the params the running body updates
         self._eager_now = False
+        self._inline_now = False  # recording into a whole-step capture (gradients read in place)
         self._grad_ptrs: tuple[int, ...] = ()
         self._static_ptrs: tuple[int, ...] = ()
         self._replays_checked = 0
@@ -78,6 +79,7 @@ class CapturedStep:
         self._lr: list[torch.Tensor | None] = []
         self._lr_host: list[Any] = []
         self._hyper: Any = None
+        self._inline_hyper: Any = None  # the options a whole-step capture recorded
         self._skipped_seen = 0
         self._norm = self._finite = self._skipped = None
         self._state_obj: Any = None
@@ -231,7 +233,7 @@ class CapturedStep:
                 swapped.append((g, g["lr"]))
                 g["lr"] = t
         grads_swapped = []
-        if self._copy_mode and not self._eager_now:
+        if self._copy_mode and not self._eager_now and not self._inline_now:
             for p, gv in zip(self._step_params, self._grad_views):
                 grads_swapped.append((p, p.grad))
                 p.grad = gv
@@ -331,10 +333,7 @@ class CapturedStep:
 
     def _drop_graph(self) -> None:
         if self._graph is not None:
-            try:
-                self._graph.reset()
-            except Exception:  # pragma: no cover
-                pass
+            RUNTIME.device.reset_graph(self._graph)
         self._graph = None
 
     def _capture(self, with_grad: list[torch.Tensor]) -> bool:
@@ -519,29 +518,54 @@ class CapturedStep:
     def _inline(self, outer: Any) -> torch.Tensor:
         """Called while ``graphcomp.capture_step`` captures the whole step: record the
         clip + update into that graph (as this step's own capture would record it) and
-        register the host work each replay of it needs (:meth:`_outer_hook`)."""
+        register the host work each replay of it needs (:meth:`_outer_hook`).
+
+        Nothing here may touch this step's own graph: the gradients are the outer
+        graph's (new addresses, read in place, never through the copy-mode buffers),
+        and resetting a graph while another is being captured breaks that capture
+        (on CUDA the error surfaces at the next kernel launch, not at the reset). The
+        own graph stays as it is for the calls that run the step uncaptured."""
         if self.error_if_nonfinite:
             raise RuntimeError(f"graphcomp.optim: {self.name} has error_if_nonfinite=True, which reads the norm on the "
                                f"host every step: a whole-step graph cannot raise (use error_if_nonfinite=False; "
                                f"skipped steps are still counted)")
-        plan = self._plan(sync_lr=False)
-        if plan not in ("capture", "replay"):
-            fix = ("warm the step up for more calls first (capture_step(warmup=...))" if plan == "warmup"
-                   else "it decides on the host every step")
-            raise RuntimeError(f"graphcomp.optim: {self.name} is in its {plan!r} phase (mode {self.mode!r}"
-                               f"{': ' + self.reason if self.reason else ''}); a whole-step capture needs it "
-                               f"captured: {fix}")
-        self._step_params = self._with_grad
-        self._hyper = self._hyper_key()
+        why = self._not_recordable()
+        if why is None:
+            with_grad = [p for p, g in zip(self._params, _compat.grads_of(self._params)) if g is not None]
+            if not with_grad:
+                why = "no parameter has a gradient (call it after backward)"
+            elif any(id(p) not in self._initialized for p in with_grad):
+                why = ("it is in its warm-up phase (a parameter has no optimizer state yet): warm the step up for "
+                       "more calls first (capture_step(warmup=...))")
+        if why is not None:
+            raise RuntimeError(f"graphcomp.optim: {self.name} cannot be recorded into a whole-step capture: {why}")
+        self._step_params = with_grad
+        self._inline_hyper = self._hyper_key()  # (not _hyper: that is the own graph's)
         self._capturing_into = outer.graph_being_captured
+        self._inline_now = True
         try:
             self._body([])
         finally:
             self._capturing_into = None
+            self._inline_now = False
         outer.add_hook(self._outer_hook)
         SESSION.counters.add("optimizer_steps_in_step_graph")
         self._decide("recorded inline into a whole-step capture (graphcomp.capture_step)")
         return self._norm.clone()
+
+    def _not_recordable(self) -> str | None:
+        """Why the step cannot be (or no longer is) part of a whole-step graph; None: it can."""
+        opt = self.opt
+        if self.mode in ("eager", "reference") or self._released:
+            return f"the optimizer step {self.name} runs eagerly ({self.reason or 'released'})"
+        if not self._adopted:
+            return f"the optimizer step {self.name} has not run yet (it adopts the optimizer on its first call)"
+        if (opt.state is not self._state_obj or opt.param_groups is not self._groups_obj
+                or [len(g["params"]) for g in opt.param_groups] != self._shape):
+            return "the optimizer's state or param_groups were replaced (load_state_dict, add_param_group)"
+        if _compat.optimizer_step_hooks(opt):
+            return "optimizer step hooks are registered"
+        return None
 
     def prepare_for_step_capture(self) -> None:
         """Before ``graphcomp.capture_step`` captures a step holding this one: the lr
@@ -553,16 +577,11 @@ class CapturedStep:
     def _outer_hook(self) -> str | None:
         """Before a replay of a whole-step graph holding this step: the lr refresh,
         and why the recorded step no longer holds (None: it holds)."""
-        opt = self.opt
-        if self.mode in ("eager", "reference") or self._released:
-            return f"the optimizer step {self.name} runs eagerly now ({self.reason})"
-        if (opt.state is not self._state_obj or opt.param_groups is not self._groups_obj
-                or [len(g["params"]) for g in opt.param_groups] != self._shape):
-            return "the optimizer's state or param_groups were replaced (load_state_dict, add_param_group)"
-        if _compat.optimizer_step_hooks(opt):
-            return "optimizer step hooks are registered"
+        why = self._not_recordable()
+        if why is not None:
+            return why
         self._sync_lr()
-        if self._hyper_key() != self._hyper:
+        if self._hyper_key() != self._inline_hyper:
             return "an optimizer hyper-parameter changed"
         return None
 

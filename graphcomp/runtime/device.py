@@ -56,6 +56,24 @@ class CudaDevice:
             g.capture_end()
         return out
 
+    def capture_active(self) -> bool:
+        """A graph is being captured on the current stream."""
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+    def reset_graph(self, g: Any) -> None:
+        """``g.reset()`` for a graph's owner, refused while another graph is being
+        captured: under CUDA's global capture mode destroying a graph invalidates the
+        capture in progress, and the error shows only at a later kernel launch ("operation
+        failed due to a previous error during capture"), far from its cause. Other
+        errors of a reset are ignored (the graph is dropped either way)."""
+        if self.capture_active():
+            raise RuntimeError("graphcomp: a CUDA graph would be reset while another graph is being captured (it "
+                               "would invalidate that capture); the reset must wait until the capture ends")
+        try:
+            g.reset()
+        except Exception:  # noqa: BLE001 - pragma: no cover (a reset that fails leaves nothing to free)
+            pass
+
     def trial_capture(self, stream: Any, fn: Any, inputs: list[Any]) -> None:
         """Capture ``fn`` on a copy of ``inputs`` (nothing consumed) into a
         throwaway graph and pool, instantiate and replay it once, then free it all:

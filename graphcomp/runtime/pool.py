@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..session import SESSION
 
 
 class PoolLedger:
@@ -272,10 +273,7 @@ class Capture:
 
     def release(self, keep_live_outputs: bool = True) -> None:
         if self.graph is not None:
-            try:
-                self.graph.reset()
-            except Exception:  # pragma: no cover
-                pass
+            SESSION.runtime.device.reset_graph(self.graph)
         self.graph = None
         self.inputs = []
         self.first = None

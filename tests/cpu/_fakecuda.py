@@ -92,6 +92,8 @@ class FakeGraph:
     def reset(self):
         self.released = True
 
+    # (owners reset graphs through FakeDevice.reset_graph, which refuses under capture)
+
 
 class FakeDevice(manager.CudaDevice):
     def __init__(self):
@@ -142,7 +144,11 @@ class FakeDevice(manager.CudaDevice):
             # step runs here, for real, once (a CUDA capture executes nothing and the
             # capture call then replays); every later replay runs the step function again
             g.fn, g.whole_step, g.skip_next = fn, True, True
-            g.memory = list(fn(inputs))
+            self.in_capture = True  # (a graph reset now would break the capture: reset_graph refuses)
+            try:
+                g.memory = list(fn(inputs))
+            finally:
+                self.in_capture = False
             return list(g.memory)
         g.fn, g.inputs = fn, replay_inputs
         g.first_inputs = list(inputs)
@@ -186,6 +192,9 @@ class FakeDevice(manager.CudaDevice):
         finally:
             self.in_capture = False
         fn(list(inputs))  # the replay
+
+    def capture_active(self):
+        return self.in_capture
 
     def pin_pool(self, pool):
         self.pins.append(pool)

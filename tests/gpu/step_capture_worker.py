@@ -45,6 +45,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def train(preset: str, whole: bool, rank: int, world: int, device: torch.device) -> dict:
+    torch._dynamo.reset()  # (else the second run reuses the first run's frame, whose runners teardown released)
     graphcomp.reset()
     torch.manual_seed(0)
     m = Llama(preset).to(device)
@@ -99,6 +100,11 @@ def _max_rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def main() -> None:
     preset, outdir = sys.argv[1], sys.argv[2]
+    hang = float(os.environ.get("GC_STEP_CAPTURE_HANG_DUMP", "0"))
+    if hang > 0:  # every thread's stack on stderr if the run is still going then (the test prints stderr)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(hang, exit=False)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -9,6 +9,7 @@ Budget: about 1.5 minutes per GPU count (two compiles per rank)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,9 @@ WORKER = Path(__file__).with_name("step_capture_worker.py")
 def test_whole_step_captured_matches_the_step_as_it_is(tmp_path, ngpu):
     if not torch.cuda.is_available() or torch.cuda.device_count() < ngpu:
         pytest.skip(f"needs {ngpu} GPU(s)")
+    os.environ.setdefault("GC_STEP_CAPTURE_HANG_DUMP", "200")  # (stacks before the 250 s limit: a hang shows where)
     res = torchrun_results(WORKER, ["demo", str(tmp_path)], ngpu, tmp_path, stem="step_capture",
-                           keep=f"step_capture_{ngpu}gpu", what="capture_step", timeout=420, compile_threads=4)
+                           keep=f"step_capture_{ngpu}gpu", what="capture_step", timeout=250, compile_threads=4)
     for r in res:
         w, p = r["whole"], r["plain"]
         c = w["counters"]
