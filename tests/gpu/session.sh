@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "[session] pip install -e . failed"
 {
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) dirty=$(git status --porcelain 2>/dev/null | wc -l)"
+  echo "commit ${BENCH_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} dirty=$(git status --porcelain 2>/dev/null | wc -l) (the device copy's git metadata can lag its tree: pass BENCH_GIT_COMMIT)"
   nvidia-smi -L
   python -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 } 2>&1 | tee "$OUT/env.txt"
