@@ -133,6 +133,8 @@ class FrameCompiler:
         return memory.summary(target, persistent=persistent)
 
     def _flush(self) -> None:
+        if self.cfg.dump_dir:
+            SESSION.dump_target = (str(self.cfg.dump_dir), self.rank)
         dump.write_summary(self.cfg.dump_dir, self.rank, SESSION.frames.to_json())
 
     def joint_hook(self, gm: fx.GraphModule) -> fx.GraphModule:

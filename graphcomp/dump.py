@@ -93,6 +93,27 @@ def write_summary(root: str | None, rank: int, frames: list[dict[str, Any]]) -> 
     return path
 
 
+def write_runtime(root: str | None, rank: int, record: dict[str, Any]) -> Path | None:
+    """Atomically (re)write ``DIR/rank<R>/runtime.json``: what ran captured, written by
+    ``graphcomp.runtime.teardown()`` (the whole-step and optimizer-step captures with
+    their decisions, and the counters then)."""
+    if not root:
+        return None
+    d = Path(root) / f"rank{rank}"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "runtime.json"
+    tmp = d / f".runtime.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"version": SUMMARY_VERSION, "rank": rank, **record}, indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def load_runtime(root: str | os.PathLike, rank: int) -> dict[str, Any] | None:
+    """``DIR/rank<R>/runtime.json``, or None when no teardown wrote one."""
+    p = Path(root) / f"rank{rank}" / "runtime.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
 def load_summaries(root: str | os.PathLike) -> dict[int, dict[str, Any]]:
     """rank -> summary, for every ``rank*/summary.json`` under ``root``."""
     root = Path(root)

@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .dump import load_summaries
+from .dump import load_runtime, load_summaries
 
 
 def _fmt_bytes(b: float) -> str:
@@ -150,6 +150,42 @@ def format_summary(summary: dict[str, Any], frame: int | None = None) -> str:
     return f"rank {summary['rank']}: {len(summary['frames'])} frame(s)\n\n" + "\n\n".join(format_frame(f) for f in frames)
 
 
+_RUNTIME_COUNTERS = ("captures", "replays", "cudagraph_fallbacks", "recaptures", "step_captures", "step_replays",
+                     "step_calls_uncaptured", "step_recaptures", "step_capture_failures", "step_capture_fallbacks",
+                     "optimizer_captures", "optimizer_steps_captured", "optimizer_steps_eager",
+                     "optimizer_steps_in_step_graph", "optimizer_recaptures", "optimizer_fallbacks",
+                     "optimizer_steps_skipped_nonfinite")
+
+
+RUNTIME_HEADER = ["capture", "mode", "graph held", "calls", "replays", "recaptures", "reason / last decision"]
+
+
+def runtime_rows(rec: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
+    """``runtime.json`` as rows: one per whole-step or optimizer-step capture
+    (:data:`RUNTIME_HEADER`), and (counter, value) for the run-time counters that are set."""
+    rows = []
+    for st in rec.get("owners", []):
+        if "error" in st:
+            rows.append([str(st.get("name")), "?", "", "", "", "", _short(st["error"])])
+            continue
+        rows.append([str(st.get("name")), str(st.get("mode")), "yes" if st.get("captured") else "no",
+                     str(st.get("calls", "")), str(st.get("replays", "")), str(st.get("recaptures", "")),
+                     _short(st.get("reason") or (st.get("decisions") or [""])[-1])])
+    c = rec.get("counters", {})
+    return rows, [[k, str(c[k])] for k in _RUNTIME_COUNTERS if c.get(k)]
+
+
+def format_runtime(rec: dict[str, Any]) -> str:
+    """What ran captured (``runtime.json``, written by ``graphcomp.runtime.teardown()``):
+    whole-step and optimizer-step captures, then the run-time counters."""
+    rows, counters = runtime_rows(rec)
+    out = ["what ran captured (written at teardown)",
+           _table(rows, RUNTIME_HEADER) if rows else "(no whole-step or optimizer-step capture)"]
+    if counters:
+        out.append(_table(counters, ["counter", "value"]))
+    return "\n".join(out)
+
+
 def pass_diff(root: str | Path, rank: int, frame: int, stage: str, pass_name: str) -> str:
     """Unified diff of one pass's before/after graph text."""
     d = Path(root) / f"rank{rank}" / f"frame{frame:03d}" / stage
@@ -177,4 +213,8 @@ def inspect_dir(root: str | Path, *, rank: int = 0, frame: int | None = None, st
         if missing:
             raise ValueError(f"--diff needs {', '.join(missing)}")
         return pass_diff(root, rank, frame, stage, pass_name)  # type: ignore[arg-type]
-    return format_summary(summaries[rank], frame)
+    text = format_summary(summaries[rank], frame)
+    rec = load_runtime(root, rank)
+    if rec is not None and frame is None:
+        text += "\n\n" + format_runtime(rec)
+    return text

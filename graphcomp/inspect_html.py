@@ -19,8 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .dump import load_summaries
-from .inspect_dumps import REMAT_HEADER, _fmt_bytes, remat_rows
+from .dump import load_runtime, load_summaries
+from .inspect_dumps import REMAT_HEADER, RUNTIME_HEADER, _fmt_bytes, remat_rows, runtime_rows
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1b1b;max-width:1200px}
@@ -204,6 +204,17 @@ def _frame(frame: dict[str, Any]) -> str:
             "</section>")
 
 
+def _runtime(root: str | Path, rank: int) -> str:
+    """The teardown's record (``runtime.json``): what ran captured, and the counters."""
+    rec = load_runtime(root, rank)
+    if rec is None:
+        return ""
+    rows, counters = runtime_rows(rec)
+    return ('<section class="runtime" id="runtime"><h2>What ran captured (at teardown)</h2>'
+            + _table(RUNTIME_HEADER, rows, num_cols={3, 4, 5}) + _table(["counter", "value"], counters, num_cols={1})
+            + "</section>")
+
+
 def render_html(root: str | Path, *, rank: int = 0, frame: int | None = None) -> str:
     """The page for ``rank``'s summary under ``root`` (every frame, or ``frame``)."""
     summaries = load_summaries(root)
@@ -220,7 +231,8 @@ def render_html(root: str | Path, *, rank: int = 0, frame: int | None = None) ->
             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"
             f"<h1>{_e(title)}</h1><p>{len(s['frames'])} frame(s) on rank {rank} of ranks {sorted(summaries)}; "
             f"dump directory <code>{_e(Path(root).resolve())}</code>.</p><ul>{toc}</ul>"
-            + "".join(_frame(f) for f in frames) + "</body></html>\n")
+            + "".join(_frame(f) for f in frames) + (_runtime(root, rank) if frame is None else "")
+            + "</body></html>\n")
 
 
 def write_html(root: str | Path, out: str | Path, *, rank: int = 0, frame: int | None = None) -> Path:

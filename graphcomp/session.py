@@ -108,6 +108,9 @@ class Session:
         # shapes: every CUDA-graph piece of such a function, fixed-shape
         # specializations included, follows the data (CudaGraphRunner.follows_data)
         self.shape_following_code: set[int] = set()
+        # where the backend writes its dumps (Config.dump_dir, rank): graphcomp.runtime's
+        # teardown writes the run-time record (captured steps, counters) there too
+        self.dump_target: tuple[str, int] | None = None
 
     def next_frame_id(self) -> int:
         return next(self._frame_ids)
@@ -120,6 +123,7 @@ class Session:
         self.frames.clear()
         self.scopes.clear()
         self.shape_following_code.clear()
+        self.dump_target = None
         if self.runtime is not None:
             self.runtime.reset()
 

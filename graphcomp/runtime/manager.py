@@ -170,6 +170,17 @@ class Runtime:
         self.ledger.clear()
         return n
 
+    def owner_stats(self) -> list[dict[str, Any]]:
+        """``stats()`` of every other owner of captured graphs (whole-step and
+        optimizer-step captures), in a stable order."""
+        out = []
+        for o in list(self.owners):
+            try:
+                out.append(o.stats())
+            except Exception as e:  # noqa: BLE001 - a report must not fail teardown
+                out.append({"name": getattr(o, "name", type(o).__name__), "error": f"{type(e).__name__}: {e}"})
+        return sorted(out, key=lambda st: str(st.get("name")))
+
     def _unpin_dead(self) -> None:
         keep = []
         for pool, token, caps in self.pinned:
@@ -236,8 +247,28 @@ def teardown() -> int:
     still holds graphs with captured collectives hangs there. graphcomp also runs
     it at interpreter exit (``atexit``) and from ``destroy_process_group`` itself
     once a graph was captured (``graphcomp._compat.wrap_destroy_process_group``).
-    Compiled functions keep working afterwards, running their pieces eagerly."""
-    return RUNTIME.teardown()
+    Compiled functions keep working afterwards, running their pieces eagerly.
+
+    With dumps on (``Config.dump_dir`` / ``GRAPHCOMP_DUMP_DIR``) it first writes
+    ``DIR/rank<R>/runtime.json``: every whole-step and optimizer-step capture (mode,
+    calls, replays, re-captures, decisions) and the counters, which ``graphcomp
+    inspect DIR`` shows."""
+    owners = RUNTIME.owner_stats()
+    n = RUNTIME.teardown()
+    _write_runtime_record(owners)
+    return n
+
+
+def _write_runtime_record(owners: list[dict[str, Any]]) -> None:
+    target = SESSION.dump_target
+    if target is None:
+        return
+    from .. import dump
+
+    try:
+        dump.write_runtime(target[0], target[1], {"owners": owners, "counters": dict(SESSION.counters)})
+    except Exception as e:  # noqa: BLE001 - never fail the exit path over a report
+        log.warning("graphcomp: writing %s/rank%d/runtime.json failed: %s", target[0], target[1], e)
 
 
 def reset() -> None:

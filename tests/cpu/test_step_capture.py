@@ -358,6 +358,41 @@ def test_teardown_releases_the_graph(pg1, sdev):
     graphcomp.counters.expect(step_calls_uncaptured=2)
 
 
+def test_teardown_records_what_ran_captured_for_inspect(pg1, sdev, tmp_path, monkeypatch):
+    """With dumps on, teardown writes rank<R>/runtime.json (the whole-step and optimizer
+    captures, the counters) and ``graphcomp inspect`` (text and HTML) shows it."""
+    from graphcomp.inspect_dumps import inspect_dir
+    from graphcomp.inspect_html import render_html
+
+    monkeypatch.setenv("GRAPHCOMP_DUMP_DIR", str(tmp_path))
+    graphcomp.reset()
+    RUNTIME.device = sdev
+    torch._dynamo.reset()
+    torch.compile(lambda t: t * 2 + 1, backend="graphcomp")(torch.ones(4))  # a compiled frame: the dump dir is in use
+    step, cstep, _outs, _p, _s = _train(whole=True)
+    assert not (tmp_path / "rank0" / "runtime.json").exists()
+    graphcomp.runtime.teardown()
+    text = inspect_dir(tmp_path)
+    assert "what ran captured (written at teardown)" in text, text
+    line = next(ln for ln in text.splitlines() if ln.startswith("step/"))
+    assert line.split()[1:6] == ["captured", "yes", "8", "6", "0"], line  # mode, graph held, calls, replays, recaptures
+    assert any(ln.startswith("optim/AdamW") for ln in text.splitlines()), text
+    counters = dict(ln.split()[:2] for ln in text.split("counter")[-1].splitlines()[2:])
+    # (a stand-in replay runs the step function again, so the inline recording counts per replay here)
+    assert counters["step_replays"] == "6" and int(counters["optimizer_steps_in_step_graph"]) >= 1, counters
+    page = render_html(tmp_path)
+    assert "What ran captured (at teardown)" in page and "step/" in page
+    # without dumps, teardown writes nothing
+    graphcomp.reset()
+    assert graphcomp.runtime.teardown() == 0 and SESSION_dump_target() is None
+
+
+def SESSION_dump_target():
+    from graphcomp.session import SESSION
+
+    return SESSION.dump_target
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(cudagraphs="yes"), "cudagraphs='yes'; valid: 'auto', 'require', 'off'"),
     (dict(warmup=0), "warmup=0; valid: an int >= 1"),
