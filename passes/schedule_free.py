@@ -28,6 +28,20 @@ resharded) logs a warning, is recorded, and reshards everything. No tag uses
 between tagged nodes that both have one, so untagged ids change nothing (same
 code in torch 2.11 and 2.13).
 
+Expanding reads. A gathered parameter read by an op that makes a value many times
+its size (``aten.index`` / ``index_select`` / ``embedding`` with the parameter as
+the table: transformers' ``batched_mm`` experts build ``gate_up_proj[expert_ids]``,
+one copy of an expert's weight per token and top-k slot) is a value the
+partitioner would otherwise save for backward (its backward user, a ``bmm``, cannot
+fuse it) -- hundreds of MiB per layer held from forward to backward, per-layer
+compiled FSDP2 included. When the read's output is at least ``EXPANSION_RATIO``
+times the gathered value, the read and its pure views are tagged
+``MUST_RECOMPUTE``: the backward gathers again from the (re-gathered or kept)
+parameter, the forward saves the small index tensor instead. Cost: one more gather
+kernel per read in backward, and a re-gather of that parameter if nothing else in
+backward needed it (the ratio keeps that cheaper than the bytes saved: an embedding
+table is never that small next to its output). Counted as ``expanding_reads``.
+
 Tensor-parallel all-gathers (activations, on a group ``shard(mesh=...)`` did not
 shard over: ``graph_utils.is_foreign_collective``) are not parameter gathers: never
 tagged, so the partitioner treats them as any other collective.
@@ -55,6 +69,8 @@ prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 
 LATENCY_S = 20e-6  # per-collective latency of the re-gather cost model
+EXPANSION_RATIO = 8  # an expanding read's output / the gathered value's bytes, at least
+EXPANDING_OPS = {aten.index.Tensor, aten.index_select.default, aten.embedding.default}
 BANDWIDTH_BPS = 50e9  # bytes/s of the re-gather cost model
 
 # pure ops allowed in a gather's input chain (between the shard and the collective)
@@ -121,6 +137,28 @@ def _post_chain(wait: fx.Node) -> list[fx.Node]:
         seen.add(u)
         out.append(u)
         stack.extend(u.users)
+    return out
+
+
+def expanding_reads(g: GatherGroup, bwd: set[fx.Node]) -> list[fx.Node]:
+    """Forward reads of the gathered value of ``g`` that make a value at least
+    ``EXPANSION_RATIO`` times its size (the parameter as the table of an index,
+    index_select or embedding), each followed by its pure view descendants."""
+    out: list[fx.Node] = []
+    for t in [n for n in (g.wait, *g.post) if n is not None]:
+        tb = memory.value_bytes(t)
+        for u in t.users:
+            if (u in bwd or u.op != "call_function" or u.target not in EXPANDING_OPS or not u.args
+                    or u.args[0] is not t or memory.value_bytes(u) < EXPANSION_RATIO * max(tb, 1)):
+                continue
+            out.append(u)
+            stack = list(u.users)
+            while stack:
+                v = stack.pop()
+                if v in bwd or v in out or not memory.is_alias(v):
+                    continue
+                out.append(v)
+                stack.extend(v.users)
     return out
 
 
@@ -207,6 +245,15 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             n.meta["recompute"] = policy
             n_tagged += 1
         g.coll.meta["graphcomp_reshard"] = i not in kept
+    reads = [r for g in groups for r in expanding_reads(g, bwd)]
+    for r in reads:
+        r.meta["recompute"] = Policy.MUST_RECOMPUTE
+    heads = [r for r in reads if r.target in EXPANDING_OPS]
+    if heads:
+        ctx.count("expanding_reads", len(heads))
+        ctx.count("expanding_read_bytes", sum(memory.value_bytes(r) for r in heads))
+        ctx.note(f"{len(heads)} expanding read(s) of gathered parameters recomputed in backward, not saved "
+                 f"({', '.join(r.name for r in heads[:4])}{', ...' if len(heads) > 4 else ''})")
     n_resh = len(groups) - len(kept)
     ctx.count("gathers_resharded", n_resh)
     ctx.count("gathers_kept", len(kept))

@@ -222,3 +222,65 @@ def test_property_auto_budget(sizes, uses, frac):
     gm2 = _joint_like(sizes, uses[: len(sizes)])
     kept2, _, _ = choose_kept(gm2, gather_groups(gm2, memory.backward_nodes(gm2)), budget)
     assert kept2 == kept
+
+
+def _experts(group):
+    """transformers' batched_mm experts in small: the gathered expert weights indexed
+    per token (``w[ids]``: one weight copy per token), then a batched matmul; the
+    gradient of ``x`` needs the indexed weights again in backward."""
+
+    def f(x, ids, s1):
+        w = _GatherParam.apply(s1, 2, (2, 3, 4), None, torch.float32, group, 1)
+        sel = w[ids]  # (S, 3, 4): S / 2 times the gathered weight
+        return torch.bmm(sel, x.unsqueeze(-1)).squeeze(-1)
+
+    return f
+
+
+def _expert_inputs(seed=0, tokens=32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 4, generator=g, requires_grad=True)
+    ids = torch.randint(0, 2, (tokens,), generator=g)
+    s1 = torch.randn(2, 3, 4, generator=g, requires_grad=True)
+    return x, ids, s1
+
+
+def _run_experts(f, inputs):
+    x, ids, s1 = inputs
+    out = f(x, ids, s1)
+    out.sum().backward()
+    grads = [x.grad.clone(), s1.grad.clone()]
+    x.grad = s1.grad = None
+    return out.detach(), grads
+
+
+def _fwd_outputs(fwd):
+    out = next(n for n in fwd.graph.nodes if n.op == "output")
+    return [a for a in out.args[0] if isinstance(a, torch.fx.Node)]
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_expanding_read_of_a_gathered_parameter_is_recomputed_not_saved(reshard):
+    with world1_group() as group:
+        f = _experts(group)
+        ref = _run_experts(f, _expert_inputs())
+        cf, got = _compile(f, ["schedule_free"], reshard_after_forward=reshard)
+        res = _run_experts(cf, _expert_inputs())
+    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    saved_shapes = [tuple(n.meta["val"].shape) for n in _fwd_outputs(got["fwd"]) if "val" in n.meta]
+    assert (32, 3, 4) not in saved_shapes, saved_shapes  # no per-token weight copy
+    bwd_index = [n for n in got["bwd"].graph.nodes if is_target(n, torch.ops.aten.index.Tensor)]
+    assert len(bwd_index) == 1  # the read, again, in backward
+    rec = got["records"]["schedule_free"]
+    assert rec.counts["expanding_reads"] == 1 and rec.counts["expanding_read_bytes"] == 32 * 3 * 4 * 4
+    # a resharded parameter is gathered again for it; a kept one is saved and read again
+    assert len(_gathers(got["bwd"])) == (1 if reshard else 0)
+
+
+def test_small_reads_of_a_gathered_parameter_are_left_to_the_partitioner():
+    """Under EXPANSION_RATIO (4 tokens of a 2-expert table: 2x) nothing is tagged."""
+    with world1_group() as group:
+        f = _experts(group)
+        cf, got = _compile(f, ["schedule_free"], reshard_after_forward=True)
+        _run_experts(cf, _expert_inputs(tokens=4))
+    assert "expanding_reads" not in got["records"]["schedule_free"].counts
