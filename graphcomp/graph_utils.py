@@ -236,6 +236,28 @@ VIEW_OPS = {
 }
 
 
+def mutated_placeholders(gm: fx.GraphModule) -> list[int]:
+    """Indices of the placeholders ``gm`` writes in place: the graph input (or a view
+    of it) passed as an argument its op's schema marks as written (``copy_`` of a
+    functionalized input mutation: BatchNorm's running statistics and step count)."""
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    out: set[int] = set()
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
+            continue
+        for k, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            v = n.args[k] if k < len(n.args) else n.kwargs.get(arg.name)
+            for a in (v if isinstance(v, (list, tuple)) else [v]):
+                while isinstance(a, fx.Node) and a.op == "call_function" and a.target in VIEW_OPS and a.args:
+                    a = a.args[0]
+                if isinstance(a, fx.Node) and a in index:
+                    out.add(index[a])
+    return sorted(out)
+
+
 def is_target(node: fx.Node, *targets: Any) -> bool:
     return node.op == "call_function" and node.target in targets
 

@@ -142,6 +142,7 @@ def compile_pieces(
                 require=cfg.cudagraphs == "require",
                 dynamic=graph_utils.has_symbolic_shapes(ex),
                 code=code,
+                mutated_inputs=graph_utils.mutated_placeholders(sub),
             )
         else:
             impl = EagerPiece(f"{prefix}/{name}", compiled)

@@ -116,11 +116,17 @@ class CudaGraphRunner:
         require: bool = False,
         dynamic: bool = False,
         code: int | None = None,
+        mutated_inputs: Sequence[int] = (),
     ):
         self.name = name
         self.require = require  # Config.cudagraphs == "require": a capture failure raises
         self.dynamic = dynamic  # traced with symbolic shapes: its input shapes may follow the data
         self.code = code  # Dynamo's id of the function (code object) this piece's frame compiles
+        # inputs the piece writes in place (functionalized input mutations: BatchNorm's
+        # running statistics). A capture call runs the piece WARMUP_ITERS times, then a
+        # trial replay, before its real replay: their writes are undone (_capture), and
+        # a copied input's write goes back to the caller's tensor after each replay
+        self.mutated = list(mutated_inputs)
         self.disabled: str | None = None  # why this piece runs eagerly for good (a failed capture)
         self.fn = fn  # boxed: fn(list) -> sequence of outputs
         self.kinds = list(input_kinds)
@@ -244,6 +250,9 @@ class CudaGraphRunner:
         dev = RUNTIME.device
         stream = RUNTIME.stream
         phase = "warm-up"
+        # the values of written inputs before the warm-ups: put back before the real
+        # capture (its replay is this call's one write) or before the eager fallback
+        undo = [(static_in[i], static_in[i].clone()) for i in self.mutated if isinstance(static_in[i], torch.Tensor)]
         try:
             dev.wait(stream, dev.current_stream())
             with RUNTIME.capturing():
@@ -260,8 +269,12 @@ class CudaGraphRunner:
                     dev.trial_capture(stream, self.fn, static_in)
             dev.wait(dev.current_stream(), stream)
         except Exception as e:  # noqa: BLE001 - any failure: the piece runs eagerly (or "require" raises)
+            dev.wait(dev.current_stream(), stream)
+            _undo_writes(undo)
             cap.inputs = []
             raise _CaptureFailed(phase, e) from e
+        _undo_writes(undo)
+        del undo
         # inputs by weak reference: one freed inside the capture (consumed) is not
         # aliased by an output that the allocator placed at its old address
         in_refs = [(i, _compat.storage_weakref(x)) for i, (x, k) in enumerate(zip(static_in, self.kinds))
@@ -450,6 +463,8 @@ class CudaGraphRunner:
         a capture, capture, or run eagerly with a reason), then act."""
         if self.released or self.disabled is not None or RUNTIME.is_capturing():
             return self._eager(args)
+        # written inputs as the caller passed them (a copied one gets its buffer's write back)
+        written = [(i, args[i]) for i in self.mutated if isinstance(args[i], torch.Tensor)] if self.mutated else ()
         cap, fresh = self._decide(args)
         if cap is None:
             return self._eager(args)
@@ -470,6 +485,10 @@ class CudaGraphRunner:
                 cap.inputs[i] = None
         cap.replays += 1
         SESSION.counters.add("replays")
+        for i, t in written:
+            if self.kinds[i] == "copy":  # the graph wrote the static buffer, the caller's tensor must change
+                t.copy_(cap.inputs[i])
+        del written
         if fresh:
             # memory of other pieces' released outputs that was free by the end of this
             # capture: this graph may write it (checked before each replay)
@@ -553,6 +572,12 @@ class CudaGraphRunner:
             return None, False
         self.captures[sig] = cap
         return cap, True
+
+
+def _undo_writes(undo: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put written inputs back to the values saved before a capture's warm-ups."""
+    for t, saved in undo:
+        t.copy_(saved)
 
 
 class EagerPiece:

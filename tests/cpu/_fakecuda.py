@@ -153,12 +153,20 @@ class FakeDevice(manager.CudaDevice):
         g.fn, g.inputs = fn, replay_inputs
         g.first_inputs = list(inputs)
         refs = [StorageWeakRef(a.untyped_storage()) for a in inputs if isinstance(a, torch.Tensor)]
+        # a CUDA capture executes nothing: an input the piece writes in place (BatchNorm's
+        # running statistics) keeps its value; the replay that follows is the one write
+        written = [(a, a._version, a.clone()) for a in inputs if isinstance(a, torch.Tensor)]
         self.in_capture = True
         try:
             with _compat.collectives_not_run():  # (a capture records collectives, does not run them)
                 g.memory = list(fn(inputs))
         finally:
             self.in_capture = False
+            with torch.no_grad():
+                for a, version, before in written:
+                    if a._version != version:
+                        a.copy_(before)
+            del written
         self.captured.append(g)
         # an output aliases an input only if it is on that (live) storage itself; the
         # graph's stash of its inputs is dropped at its first replay, so compare ids

@@ -190,3 +190,90 @@ def test_pool_pin_uses_the_allocator_binding_this_torch_has(monkeypatch, torch_f
     first = {"2.13": "begin", "2.11": "begin-thread", "2.11-no-thread-binding": "begin"}[torch_form]
     assert calls == [(first, 0, (0, 7)), ("end", 0, (0, 7))] * 2
     assert _compat._PIN_FORM == {"2.13": "filter", "2.11": "thread", "2.11-no-thread-binding": "plain"}[torch_form]
+
+
+# ------------------------------------------------------------ input mutations
+def _bump(buf, x):
+    """A functionalized input mutation (BatchNorm's running statistics: read-modify-write)."""
+    buf.copy_(buf * 0.5 + x.sum())
+    return (x * 2,)
+
+
+@pytest.mark.parametrize("kind", ["param", "copy"])
+def test_written_input_is_written_once_per_call_on_capture_calls(kind):
+    """Warm-ups and the trial replay run the piece before the capture: their writes to
+    an input are undone, so a capture call writes once, as every later call does; a
+    copied input's write reaches the caller's tensor."""
+    r = _runner(_bump, [kind, "copy"], clone_outputs={0}, mutated_inputs=[0])
+    buf, ref = torch.zeros(3), torch.zeros(3)
+    for step in range(4):
+        x = torch.full((2,), float(step + 1))
+        (y,) = r(buf, x)
+        _bump(ref, x)
+        torch.testing.assert_close(buf, ref, rtol=0, atol=0)
+        torch.testing.assert_close(y, x * 2, rtol=0, atol=0)
+    graphcomp.counters.expect(captures=1, replays=4)
+
+
+def test_written_input_is_restored_for_the_eager_call_after_a_failed_capture(fake_device):
+    calls = []
+
+    def fn(buf, x):
+        calls.append(1)
+        if len(calls) == 2:  # the second warm-up run fails, after the first one wrote
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return _bump(buf, x)
+
+    r = _runner(fn, ["param", "copy"], clone_outputs={0}, mutated_inputs=[0])
+    buf, ref = torch.zeros(3), torch.zeros(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r(buf, torch.ones(2))
+    _bump(ref, torch.ones(2))
+    torch.testing.assert_close(buf, ref, rtol=0, atol=0)  # one write: the eager call's
+
+
+def test_batchnorm_running_statistics_match_eager_with_cuda_graphs():
+    """End to end: BatchNorm1d's running mean/var and step count after 4 training steps
+    under graphcomp with pieces captured and replayed equal eager PyTorch's."""
+    from _fakecuda import fake_cuda_runtime
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 1))
+
+    def train(m, fn):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for i in range(4):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(i))
+            fn(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [t.clone() for t in m[1].buffers()] + [p.detach().clone() for p in m.parameters()]
+
+    ref = make()
+    want = train(ref, ref)
+    torch._dynamo.reset()
+    with fake_cuda_runtime():
+        graphcomp.reset()
+        m = make()
+        got = train(m, torch.compile(m, backend="graphcomp", options={"codegen": "eager"}))
+        c = graphcomp.counters
+        assert c["captures"] >= 2 and c["replays"] >= 8 and not c.get("cudagraph_fallbacks"), dict(c)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_mutated_placeholders_finds_in_place_writes_of_inputs():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphcomp.graph_utils import mutated_placeholders
+
+    def f(a, b, c, d):
+        a.copy_(b + 1)  # a write of an input
+        c.view(-1).add_(1)  # through a view
+        return b * 2 + d.sum()  # b and d only read
+
+    gm = make_fx(f)(torch.zeros(3), torch.ones(3), torch.zeros(2, 3), torch.ones(2))
+    assert mutated_placeholders(gm) == [0, 2]
