@@ -39,6 +39,7 @@ run cudagraphs ${CG_T:-480} python -m pytest -q -p no:cacheprovider tests/gpu/te
 run cg2 ${CG2_T:-240} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k "2]"
 run sharding 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_sharding_nccl.py
 run capfail 120 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k "capture_failure or item_model"
+run bn 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k batchnorm
 GRAPHCOMP_GPU_RESULTS="$OUT" run optim1 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k 1gpu
 GRAPHCOMP_GPU_RESULTS="$OUT" run optim2 ${OPT2_T:-150} python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k "torchrun and 2"
 GRAPHCOMP_GPU_RESULTS="$OUT" run optimw1 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k w1
