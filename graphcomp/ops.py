@@ -33,11 +33,15 @@ def pack_cast(shards: list[Tensor], dtype: torch.dtype) -> Tensor:
     one read of each shard, one write of the buffer."""
     total = sum(_numels(shards))
     out = torch.empty(total, dtype=dtype, device=shards[0].device)
-    off = 0
+    dst, src, off = [], [], 0
     for s in shards:
         n = s.numel()
-        out[off : off + n].copy_(s.reshape(-1))
+        dst.append(out[off : off + n])
+        src.append(s.reshape(-1))
         off += n
+    # one multi-tensor kernel on CUDA (the fast path casts too), instead of a copy
+    # kernel per shard: about 2 us each inside a CUDA graph, 220 per W1 step
+    torch._foreach_copy_(dst, src)
     return out
 
 
@@ -69,6 +73,10 @@ def pack_for_reduce_scatter(grads: list[Tensor], world_size: int, dtype: torch.d
     total = sum(numels)
     out = torch.empty(world_size * total, dtype=dtype, device=grads[0].device)
     o = out.view(world_size, total)
+    if all(g.dtype == dtype for g in grads):
+        # one batched concatenation kernel instead of a strided copy per gradient
+        torch.cat([g.reshape(world_size, n) for g, n in zip(grads, numels)], dim=1, out=o)
+        return out
     off = 0
     for g, n in zip(grads, numels):
         o[:, off : off + n].copy_(g.reshape(world_size, n))
