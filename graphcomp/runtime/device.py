@@ -57,8 +57,12 @@ class CudaDevice:
         return out
 
     def capture_active(self) -> bool:
-        """A graph is being captured on the current stream."""
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        """A graph is being captured on the current stream (False when CUDA cannot
+        say: at interpreter exit, teardown still drops its graphs)."""
+        try:
+            return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        except Exception:  # noqa: BLE001 - a CUDA context being torn down
+            return False
 
     def reset_graph(self, g: Any) -> None:
         """``g.reset()`` for a graph's owner, refused while another graph is being
