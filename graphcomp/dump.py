@@ -80,32 +80,29 @@ class Dumper:
             _compat.log_graph(art, gm)
 
 
-def write_summary(root: str | None, rank: int, frames: list[dict[str, Any]]) -> Path | None:
-    """Atomically (re)write ``DIR/rank<R>/summary.json``."""
+def _write_rank_json(root: str | None, rank: int, name: str, body: dict[str, Any]) -> Path | None:
+    """Atomically (re)write ``DIR/rank<R>/<name>`` with the version and rank, then ``body``."""
     if not root:
         return None
     d = Path(root) / f"rank{rank}"
     d.mkdir(parents=True, exist_ok=True)
-    path = d / "summary.json"
-    tmp = d / f".summary.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"version": SUMMARY_VERSION, "rank": rank, "frames": frames}, indent=1, default=str))
+    path = d / name
+    tmp = d / f".{name}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"version": SUMMARY_VERSION, "rank": rank, **body}, indent=1, default=str))
     os.replace(tmp, path)
     return path
+
+
+def write_summary(root: str | None, rank: int, frames: list[dict[str, Any]]) -> Path | None:
+    """Atomically (re)write ``DIR/rank<R>/summary.json``."""
+    return _write_rank_json(root, rank, "summary.json", {"frames": frames})
 
 
 def write_runtime(root: str | None, rank: int, record: dict[str, Any]) -> Path | None:
     """Atomically (re)write ``DIR/rank<R>/runtime.json``: what ran captured, written by
     ``graphcomp.runtime.teardown()`` (the whole-step and optimizer-step captures with
     their decisions, and the counters then)."""
-    if not root:
-        return None
-    d = Path(root) / f"rank{rank}"
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / "runtime.json"
-    tmp = d / f".runtime.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"version": SUMMARY_VERSION, "rank": rank, **record}, indent=1, default=str))
-    os.replace(tmp, path)
-    return path
+    return _write_rank_json(root, rank, "runtime.json", record)
 
 
 def load_runtime(root: str | os.PathLike, rank: int) -> dict[str, Any] | None:
