@@ -267,6 +267,19 @@ class TinyMLP(nn.Module):
         return F.mse_loss(y, target)
 
 
+class BatchNormMLP(nn.Sequential):
+    """Linear, BatchNorm1d, ReLU, Linear: a model whose forward writes buffers in place
+    (BatchNorm's running statistics and step count), for the tests of inputs a captured
+    piece writes. ``self[1]`` is the BatchNorm."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, out: int = 1):
+        super().__init__(nn.Linear(dim, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, out))
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of the BatchNorm's buffers, then of every parameter."""
+        return [t.clone() for t in self[1].buffers()] + [p.detach().clone() for p in self.parameters()]
+
+
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -240,10 +240,11 @@ def test_batchnorm_running_statistics_match_eager_with_cuda_graphs(codegen):
     with eager codegen)."""
     from _fakecuda import fake_cuda_runtime
 
+    from graphcomp.models import BatchNormMLP
+
     def make():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                                   torch.nn.Linear(16, 1))
+        return BatchNormMLP(8, 16, 1)
 
     def train(m, fn):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -252,7 +253,7 @@ def test_batchnorm_running_statistics_match_eager_with_cuda_graphs(codegen):
             fn(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        return [t.clone() for t in m[1].buffers()] + [p.detach().clone() for p in m.parameters()]
+        return m.snapshot()
 
     ref = make()
     want = train(ref, ref)

@@ -17,12 +17,12 @@ def _train(rank: int, world: int, cudagraphs: str) -> dict:
     from _fakecuda import fake_cuda_runtime
 
     import graphcomp
+    from graphcomp.models import BatchNormMLP
     from graphcomp.sharding import full_state_dict
 
     with fake_cuda_runtime():
         torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 4))
+        m = BatchNormMLP(8, 16, 4)
         graphcomp.shard(m)
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager", "cudagraphs": cudagraphs})

@@ -16,7 +16,7 @@ import torch
 
 import graphcomp
 import graphcomp.runtime
-from graphcomp.models import Llama, TinyMLP, synthetic_batch
+from graphcomp.models import BatchNormMLP, Llama, TinyMLP, synthetic_batch
 
 pytestmark = pytest.mark.gpu
 WORKER = Path(__file__).with_name("_worker.py")
@@ -137,8 +137,7 @@ def test_batchnorm_running_statistics_written_once_per_step(codegen):
     (bitwise with eager codegen), with the pieces captured and replayed."""
     def make():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
-                                   torch.nn.Linear(64, 1)).cuda()
+        return BatchNormMLP(32, 64, 1).cuda()
 
     def train(m, fn):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -147,7 +146,7 @@ def test_batchnorm_running_statistics_written_once_per_step(codegen):
             fn(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        return [t.clone() for t in m[1].buffers()] + [p.detach().clone() for p in m.parameters()]
+        return m.snapshot()
 
     ref = make()
     want = train(ref, ref)
