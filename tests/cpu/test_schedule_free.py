@@ -65,10 +65,13 @@ def _inputs(seed=0):
 
 
 def _run(f, inputs):
+    """Forward, backward of the sum; the output and the gradient of every input that
+    requires one (cleared after)."""
     out = f(*inputs)
     out.sum().backward()
-    grads = [t.grad.clone() for t in inputs]
-    for t in inputs:
+    leaves = [t for t in inputs if t.requires_grad]
+    grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
         t.grad = None
     return out.detach(), grads
 
@@ -245,15 +248,6 @@ def _expert_inputs(seed=0, tokens=32):
     return x, ids, s1
 
 
-def _run_experts(f, inputs):
-    x, ids, s1 = inputs
-    out = f(x, ids, s1)
-    out.sum().backward()
-    grads = [x.grad.clone(), s1.grad.clone()]
-    x.grad = s1.grad = None
-    return out.detach(), grads
-
-
 def _fwd_outputs(fwd):
     out = next(n for n in fwd.graph.nodes if n.op == "output")
     return [a for a in out.args[0] if isinstance(a, torch.fx.Node)]
@@ -263,9 +257,9 @@ def _fwd_outputs(fwd):
 def test_expanding_read_of_a_gathered_parameter_is_recomputed_not_saved(reshard):
     with world1_group() as group:
         f = _experts(group)
-        ref = _run_experts(f, _expert_inputs())
+        ref = _run(f, _expert_inputs())
         cf, got = _compile(f, ["schedule_free"], reshard_after_forward=reshard)
-        res = _run_experts(cf, _expert_inputs())
+        res = _run(cf, _expert_inputs())
     torch.testing.assert_close(res, ref, rtol=0, atol=0)
     saved_shapes = [tuple(n.meta["val"].shape) for n in _fwd_outputs(got["fwd"]) if "val" in n.meta]
     assert (32, 3, 4) not in saved_shapes, saved_shapes  # no per-token weight copy
@@ -282,5 +276,5 @@ def test_small_reads_of_a_gathered_parameter_are_left_to_the_partitioner():
     with world1_group() as group:
         f = _experts(group)
         cf, got = _compile(f, ["schedule_free"], reshard_after_forward=True)
-        _run_experts(cf, _expert_inputs(tokens=4))
+        _run(cf, _expert_inputs(tokens=4))
     assert "expanding_reads" not in got["records"]["schedule_free"].counts
