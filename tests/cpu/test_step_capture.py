@@ -163,9 +163,13 @@ def test_lr_schedule_reaches_the_replays_without_recapture(pg1, sdev):
     graphcomp.counters.expect(step_captures=1, step_recaptures=0)
 
 
-def test_changed_inputs_run_uncaptured_and_recapture(pg1, sdev):
+def _sgd_step(sdev=None):
+    """After graphcomp.reset() (and with the stand-in device ``sdev``, if given): a
+    TinyMLP sharded on one rank with SGD, and its step function (forward, backward,
+    step, zero_grad(set_to_none=True)) returning the loss."""
     graphcomp.reset()
-    RUNTIME.device = sdev
+    if sdev is not None:
+        RUNTIME.device = sdev
     m, opt = make(seed=0, cls=torch.optim.SGD, kw=dict(lr=0.1))
 
     def train_step(x, y):
@@ -175,6 +179,11 @@ def test_changed_inputs_run_uncaptured_and_recapture(pg1, sdev):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return m, opt, train_step
+
+
+def test_changed_inputs_run_uncaptured_and_recapture(pg1, sdev):
+    m, _opt, train_step = _sgd_step(sdev)
     step = graphcomp.capture_step(train_step, params=m.parameters(), warmup=1)
     x, y = batch(0)
     step(x, y)  # warm-up
@@ -240,16 +249,10 @@ def test_gradients_accumulated_in_place_replay(pg1, sdev):
 
 
 def test_capture_failure_falls_back_or_raises(pg1, sdev):
-    graphcomp.reset()
-    RUNTIME.device = sdev
-    m, opt = make(seed=0, cls=torch.optim.SGD, kw=dict(lr=0.1))
+    m, _opt, sgd = _sgd_step(sdev)
 
     def returns_float(x, y):
-        loss = m(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())  # a host value: would be the capture's value forever
+        return float(sgd(x, y))  # a host value: would be the capture's value forever
 
     step = graphcomp.capture_step(returns_float, params=m.parameters(), warmup=1)
     step(*batch(0))
@@ -316,15 +319,12 @@ def test_replaced_optimizer_state_recaptures(pg1, sdev):
 
 
 def test_off_no_cuda_and_teardown(pg1, dev, monkeypatch):
-    graphcomp.reset()
-    m, opt = make(seed=0, cls=torch.optim.SGD, kw=dict(lr=0.1))
+    m, _opt, sgd = _sgd_step()
     calls = []
 
     def train_step(x, y):
         calls.append(1)
-        m(x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        sgd(x, y)
 
     off = graphcomp.capture_step(train_step, params=m.parameters(), cudagraphs="off")
     for i in range(3):
@@ -339,14 +339,7 @@ def test_off_no_cuda_and_teardown(pg1, dev, monkeypatch):
 
 
 def test_teardown_releases_the_graph(pg1, sdev):
-    graphcomp.reset()
-    RUNTIME.device = sdev
-    m, opt = make(seed=0, cls=torch.optim.SGD, kw=dict(lr=0.1))
-
-    def train_step(x, y):
-        m(x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    m, _opt, train_step = _sgd_step(sdev)
 
     step = graphcomp.capture_step(train_step, params=m.parameters(), warmup=1)
     for i in range(3):
