@@ -1,12 +1,21 @@
 """How much of each collective's kernel time overlaps compute, from a Chrome trace.
 
     python -m benchmarks.trace_overlap benchmarks/results/<run>-graphcomp.trace.json.gz [...]
+    python -m benchmarks.trace_overlap --exposed [--min-us 100] TRACE.json.gz
 
 Reads the GPU kernel events of a trace written by ``benchmarks.run --trace`` and
 prints, per collective kind (AllGather, ReduceScatter, AllReduce), the number of
 NCCL kernels, their total time and the share of that time during which a compute
 (non-NCCL) kernel also runs. Issue 5 asks that a trace show gathers overlapping
 compute: this is the number.
+
+``--exposed`` lists, in time order, every NCCL kernel with at least ``--min-us``
+microseconds during which no compute kernel runs (where a step waits for
+communication), with its start (ms after the trace's first kernel), the exposed
+and total time, and the last compute kernel that started before it: the
+places a schedule leaves communication uncovered (W2 on 2 H200s, 873d921: the
+forward's first gather, the LM-head gather, the head gradient's reduce-scatter
+ahead of the backward's first gather, the last reduce-scatter).
 """
 
 from __future__ import annotations
@@ -29,12 +38,20 @@ def _merge(intervals: list[tuple[float, float]]) -> list[list[float]]:
     return merged
 
 
-def overlap_report(path: str) -> dict[str, dict[str, float]]:
+def _kernels(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    compute = _merge([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
+    return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+
+
+def _is_nccl(e: dict) -> bool:
+    return "nccl" in e["name"].lower()
+
+
+def _coverage(kernels: list[dict]):
+    """``covered(s, t)``: microseconds of [s, t) during which a compute kernel runs."""
+    compute = _merge([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not _is_nccl(e)])
     starts = [m[0] for m in compute]
 
     def covered(s: float, t: float) -> float:
@@ -44,9 +61,37 @@ def overlap_report(path: str) -> dict[str, dict[str, float]]:
             i += 1
         return out
 
+    return covered
+
+
+def exposed_kernels(path: str, min_us: float = 100.0) -> list[dict]:
+    """NCCL kernels with at least ``min_us`` of their time under no compute kernel, in
+    time order: start (ms after the first kernel), exposed and total ms, the stream,
+    and the last compute kernel that started before it."""
+    kernels = _kernels(path)
+    if not kernels:
+        return []
+    covered = _coverage(kernels)
+    t0 = kernels[0]["ts"]
+    out, last_compute = [], None
+    for e in kernels:  # (sorted by start)
+        if not _is_nccl(e):
+            last_compute = e
+            continue
+        exposed = e["dur"] - covered(e["ts"], e["ts"] + e["dur"])
+        if exposed >= min_us:
+            out.append({"start_ms": (e["ts"] - t0) / 1e3, "exposed_ms": exposed / 1e3, "dur_ms": e["dur"] / 1e3,
+                        "name": e["name"], "stream": (e.get("args") or {}).get("stream"),
+                        "after": None if last_compute is None else last_compute["name"]})
+    return out
+
+
+def overlap_report(path: str) -> dict[str, dict[str, float]]:
+    kernels = _kernels(path)
+    covered = _coverage(kernels)
     report = {}
     for kind in KINDS:
-        ks = [e for e in kernels if "nccl" in e["name"].lower() and kind.lower() in e["name"].lower()]
+        ks = [e for e in kernels if _is_nccl(e) and kind.lower() in e["name"].lower()]
         if not ks:
             continue
         total = sum(e["dur"] for e in ks)
@@ -58,6 +103,20 @@ def overlap_report(path: str) -> dict[str, dict[str, float]]:
 def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit(__doc__)
+    if argv[0] == "--exposed":
+        argv, min_us = argv[1:], 100.0
+        if argv[:1] == ["--min-us"]:
+            if len(argv) < 2:
+                raise SystemExit("--min-us needs a number of microseconds")
+            min_us, argv = float(argv[1]), argv[2:]
+        for path in argv:
+            rows = exposed_kernels(path, min_us)
+            print(f"{path}: {len(rows)} NCCL kernels with >= {min_us:g} us exposed, "
+                  f"{sum(r['exposed_ms'] for r in rows):.2f} ms in all")
+            for r in rows:
+                print(f"  {r['start_ms']:10.2f} ms  exposed {r['exposed_ms']:6.2f} of {r['dur_ms']:6.2f} ms  "
+                      f"{r['name'][:48]}  (stream {r['stream']}; after {(r['after'] or '-')[:60]})")
+        return
     for path in argv:
         for kind, r in overlap_report(path).items():
             print(f"{path}: {kind}: {r['kernels']} kernels, {r['total_ms']:.1f} ms, "

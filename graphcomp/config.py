@@ -95,8 +95,9 @@ class Config:
     """Pass ``schedule_prefetch``: most bytes of all-gather outputs in flight
     (issued but not yet waited) at any point of a forward or backward graph.
     Gathers are issued early (in program order) until this cap; a single gather
-    larger than the cap is not moved. Must be >= 0; 0 disables prefetching
-    (waits still sink to their first use)."""
+    larger than the cap (an embedding or LM-head table) is issued early only while
+    no other gather is in flight. Must be >= 0; 0 disables prefetching (waits still
+    sink to their first use)."""
 
     cudagraphs: CudaGraphsMode = "auto"
     """CUDA-graph capture of the forward/backward graphs (passes ``partition_graph``

@@ -17,13 +17,19 @@ its original order) and the collective groups:
   The wait and the post chain sit just before the first compute use. Gathers
   are issued in their original order; each as early as allowed by (a) its
   inputs, (b) the previous gather's issue point, (c) ``Config.prefetch_bytes``:
-  the gathered bytes in flight (issued, not yet waited) never pass it, and (d)
+  the gathered bytes in flight (issued, not yet waited) never pass it but for one
+  gather larger than the cap on its own, and (d)
   ``Config.memory_budget``: the static memory model's live bytes plus the
   prefetched buffer stay under the budget. A single gather larger than the cap
-  stays at its use.
+  moves only while no other gather is in flight (an embedding or LM-head table:
+  it overlaps the compute before its use, as one buffer; 0 still disables
+  prefetching).
 * reduce-scatter group: the pure input chain (cast, pad, pack_for_reduce_scatter,
   views), ``reduce_scatter`` and its ``wait``: the collective is issued right
-  after its last compute input; the wait (and what depends on it: the ``/ W``,
+  after its last compute input, behind any gather issued at that point (the
+  collectives of one group run in issue order: a reduce-scatter ready at the top of
+  a backward, e.g. the LM head's gradient the chunked loss made in the forward,
+  would otherwise hold up the gather the first compute waits for); the wait (and what depends on it: the ``/ W``,
   the cast, the split) is placed as late as possible, before the graph output or
   the first node that needs it, with at most ``prefetch_bytes`` of
   reduce-scatter inputs in flight (the oldest is waited just before a new one
@@ -151,8 +157,8 @@ def plan(gm: fx.GraphModule, prefetch_bytes: int, budget: int | None, move_rs: b
     extra = [0] * (nb + 1)  # bytes the prefetch adds to the memory model
     keys: dict[fx.Node, tuple] = {}
     stats = {"gathers": 0, "gathers_moved": 0, "compute_ahead_total": 0, "max_inflight_bytes": 0,
-             "limited_by_bytes": 0, "limited_by_budget": 0, "reduce_scatters": 0, "rs_hoisted": 0,
-             "rs_waited_early": 0}
+             "limited_by_bytes": 0, "limited_by_budget": 0, "oversized_gathers": 0, "reduce_scatters": 0,
+             "rs_hoisted": 0, "rs_waited_early": 0}
     prev_issue = 0
     for gi, g in enumerate(groups):
         if g.kind != "ag":
@@ -164,9 +170,15 @@ def plan(gm: fx.GraphModule, prefetch_bytes: int, budget: int | None, move_rs: b
         lo = max(ready, prev_issue)
         orig = before_b[g.coll]
         p = use
+        # a gather larger than the cap on its own (an embedding or LM-head table) moves
+        # while no other gather is in flight: it overlaps the compute before its use
+        # instead of waiting there, and one such buffer is the most prefetch adds
+        alone = 0 < prefetch_bytes < g.nbytes
+        if alone:
+            stats["oversized_gathers"] += 1
         while p > lo:
             q2 = p - 1
-            if inflight[q2] + g.nbytes > prefetch_bytes:
+            if (inflight[q2] > 0) if alone else (inflight[q2] + g.nbytes > prefetch_bytes):
                 stats["limited_by_bytes"] += 1
                 break
             if live_b is not None and q2 < orig and live_b[q2] + extra[q2] + g.nbytes > budget:  # type: ignore[operator]
@@ -216,8 +228,11 @@ def plan(gm: fx.GraphModule, prefetch_bytes: int, budget: int | None, move_rs: b
             pending_bytes -= og.in_bytes
             keys[og.wait] = (ready, 3, ogi, idx[og.wait])
             stats["rs_waited_early"] += 1
+        # issued before the compute node after its last input, behind the gathers
+        # issued there: collectives of one group run in issue order, and a gather is
+        # awaited by the next compute while a reduce-scatter is awaited at the end
         for n in (*g.pre, g.coll):
-            keys[n] = (ready, 3, gi, idx[n])
+            keys[n] = (ready + 1, 1, len(groups) + gi, idx[n])
         g.in_bytes = nbytes
         pending.append((ready, gi, g))
         pending_bytes += nbytes

@@ -235,7 +235,7 @@ def test_profiler_collective_bytes_by_dtype():
 
 
 def test_trace_overlap_measures_collective_time_under_compute(tmp_path):
-    from benchmarks.trace_overlap import overlap_report
+    from benchmarks.trace_overlap import exposed_kernels, overlap_report
 
     k = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "ph": "X"}  # noqa: E731
     events = [
@@ -249,6 +249,11 @@ def test_trace_overlap_measures_collective_time_under_compute(tmp_path):
     r = overlap_report(str(p))
     assert r["AllGather"]["kernels"] == 1 and r["AllGather"]["overlapped_share"] == pytest.approx(0.6)
     assert r["ReduceScatter"]["overlapped_share"] == 0.0 and "AllReduce" not in r
+    rows = exposed_kernels(str(p), min_us=30)
+    assert [(x["name"][:22], x["start_ms"], x["exposed_ms"], x["after"]) for x in rows] == [
+        ("ncclDevKernel_AllGathe", 0.0, 0.04, None),  # 0..20 and 70..90 uncovered
+        ("ncclDevKernel_ReduceSc", 0.2, 0.05, "gemm")]
+    assert [x["name"][:22] for x in exposed_kernels(str(p), min_us=45)] == ["ncclDevKernel_ReduceSc"]
 
 
 def test_checkpointing_variants_and_memory_cap_arguments():

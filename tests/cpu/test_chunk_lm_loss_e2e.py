@@ -170,3 +170,16 @@ def test_sharded_bf16_head_gradient_still_reduce_scattered_and_not_regathered(ra
         for b in ag[1]:
             missing.remove(b)
         assert missing == [head_bytes]
+
+
+def test_sharded_backward_issues_its_first_gather_before_the_head_reduce_scatter(ranks2):
+    """The head's reduce-scatter is ready at the top of the backward (the chunked loss
+    made its gradient in the forward). With every gather bucket over the prefetch cap
+    (as W2's LM head is), the backward's first gather -- the one its first compute
+    waits for -- is still issued first: before, the reduce-scatter went first and the
+    gather queued behind it (2 H200s, W2: 2 ms + 1 ms exposed per step)."""
+    cfg = _cfg(True, param_dtype=torch.bfloat16, bucket=True, steps=1)
+    cfg["options"] = {**cfg["options"], "prefetch_bytes": 4096}  # under every bucket (smallest 7.7 KB)
+    for _, _, counters, colls in ranks2.run(_train_sharded_with_collectives, cfg):
+        kinds = [(k, b) for st, k, _, b, _ in colls if st == "bwd"]
+        assert kinds[0][0] == "all_gather" and kinds[1] == ("reduce_scatter", 132 * 32 * 4), kinds[:4]

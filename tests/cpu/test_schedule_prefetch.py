@@ -66,11 +66,71 @@ def test_two_gathers_in_flight():
     assert rec.counts["max_inflight_bytes"] == 2 * W_BYTES
 
 
-def test_zero_prefetch_and_oversized_gather_stay_at_use():
-    for cap in (0, W_BYTES - 1):
-        gm, rec = run_pass("schedule_prefetch", _layers(3), stage="fwd", prefetch_bytes=cap)
-        assert _ahead(gm) == [0, 0, 0]
-        _waits_right_before_first_use(gm)
+def test_zero_prefetch_keeps_every_gather_at_its_use():
+    gm, rec = run_pass("schedule_prefetch", _layers(3), stage="fwd", prefetch_bytes=0)
+    assert _ahead(gm) == [0, 0, 0]
+    assert rec.counts["oversized_gathers"] == 0
+    _waits_right_before_first_use(gm)
+
+
+def test_gathers_larger_than_the_cap_move_one_at_a_time():
+    """Every gather is larger than the cap: each is issued when the one before was
+    waited (alone in flight), as with a cap of exactly one gather."""
+    gm, rec = run_pass("schedule_prefetch", _layers(3), stage="fwd", prefetch_bytes=W_BYTES - 1)
+    assert _ahead(gm) == [0, 2, 2]
+    assert rec.counts["oversized_gathers"] == 3 and rec.counts["max_inflight_bytes"] == W_BYTES
+    _waits_right_before_first_use(gm)
+
+
+def _layers_then_head(n, world=2, group="g"):
+    """n small layers ``x = tanh(x @ w_i)`` then a large "LM head" gather (8 x 64)."""
+
+    def f(x, *shards):
+        *ws, head = shards
+        for s in ws:
+            x = torch.tanh(x @ gather(s, world, group, shape=(8, 8)))
+        return x @ gather(head, world, group, shape=(8, 64))
+
+    shards = [torch.randn(8 // world, 8) for _ in range(n)] + [torch.randn(8 // world, 64)]
+    return trace(f, torch.randn(2, 8), *shards)
+
+
+def test_oversized_head_gather_overlaps_the_last_layer():
+    """The LM-head table (8x larger than the cap) was left at its use: 1 ms exposed per
+    step at W2 (2 H200s). It now starts when the last layer's gather is waited, so it
+    overlaps that layer's compute, and nothing else is in flight meanwhile."""
+    head_bytes = 8 * 64 * 4
+    gm, rec = run_pass("schedule_prefetch", _layers_then_head(3), stage="fwd", prefetch_bytes=W_BYTES)
+    assert _ahead(gm) == [0, 2, 2, 2]
+    assert rec.counts["oversized_gathers"] == 1
+    assert rec.counts["max_inflight_bytes"] == head_bytes
+    _waits_right_before_first_use(gm)
+    # with a budget that leaves no room for the head's buffer before its use, it stays
+    gm0 = _layers_then_head(3)
+    peak0 = memory.estimate(gm0).peak_bytes
+    gm, rec = run_pass("schedule_prefetch", gm0, stage="fwd", prefetch_bytes=W_BYTES, memory_budget=peak0)
+    assert memory.estimate(gm).peak_bytes <= peak0
+
+
+def test_reduce_scatter_ready_at_the_top_goes_behind_the_first_gather():
+    """A backward whose first collective-ready value is a gradient made in the forward
+    (the chunked loss's LM-head gradient): its reduce-scatter is issued behind the
+    gather the first compute waits for (one group runs its collectives in issue
+    order: on 2 H200s at W2 the 2 ms reduce-scatter held that gather up)."""
+
+    def f(x, head_grad, w_shard):
+        r = reduce_scatter(head_grad, 2, "g")
+        y = torch.tanh(x @ gather(w_shard, 2, "g", shape=(8, 8)))
+        return y, r / 2
+
+    gm = trace(f, torch.randn(2, 8), torch.randn(8, 8), torch.randn(4, 8))
+    gm, rec = run_pass("schedule_prefetch", gm, stage="bwd")
+    nodes = list(gm.graph.nodes)
+    ag = next(n for n in nodes if is_target(n, AG))
+    rs = next(n for n in nodes if is_target(n, RS))
+    mm = next(n for n in nodes if n.target is torch.ops.aten.mm.default)
+    assert nodes.index(ag) < nodes.index(rs) < nodes.index(mm)  # issued at the top, behind the gather
+    assert nodes.index(next(iter(rs.users))) > nodes.index(mm)  # and waited at the end
 
 
 def test_memory_budget_bounds_prefetch():
