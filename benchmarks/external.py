@@ -129,13 +129,15 @@ def _raw_counters(graphcomp) -> dict:
 
 
 def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None,
-                    eager_optimizer: bool = False, whole_step: bool = False) -> Built:
+                    eager_optimizer: bool = False, whole_step: bool = False, options: dict | None = None) -> Built:
     """``eager_optimizer``: torch's eager clip + step (the ``graphcomp-eager_optimizer``
     system) instead of graphcomp's captured step (``graphcomp``, on CUDA).
     ``whole_step``: the ``graphcomp`` step (captured optimizer) through
-    ``graphcomp.capture_step``, one CUDA graph per step (``graphcomp-whole_step``)."""
+    ``graphcomp.capture_step``, one CUDA graph per step (``graphcomp-whole_step``).
+    ``options``: ``graphcomp.Config`` options over the defaults (a system that
+    measures one option, e.g. ``graphcomp-inductor_memory_reorder``)."""
     graphcomp = _import_graphcomp()
-    options: dict = {}
+    options = dict(options or {})
     if enable is not None:  # graphcomp-with_<pass>: a pass that is off by default, switched on
         passes, reason = graphcomp_passes()
         if passes is None:
@@ -308,6 +310,12 @@ def build_graphcomp_whole_step(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, whole_step=True)
 
 
+def build_graphcomp_inductor_memory_reorder(ctx: Ctx) -> Built:
+    """graphcomp with Inductor's reorder_for_peak_memory allowed on its scheduled
+    graphs (``Config.inductor_memory_reorder=True``; the default keeps graphcomp's order)."""
+    return build_graphcomp(ctx, options={"inductor_memory_reorder": True})
+
+
 def make_ablation_builder(pass_name: str):
     def build(ctx: Ctx) -> Built:
         return build_graphcomp(ctx, disable=pass_name)
@@ -411,6 +419,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp": build_graphcomp,
     "graphcomp-eager_optimizer": build_graphcomp_eager_optimizer,
     "graphcomp-whole_step": build_graphcomp_whole_step,
+    "graphcomp-inductor_memory_reorder": build_graphcomp_inductor_memory_reorder,
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,
 }

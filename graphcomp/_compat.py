@@ -179,6 +179,44 @@ def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs
     return _inner(gm, example_inputs, **kwargs)
 
 
+@contextlib.contextmanager
+def inductor_memory_reorder(allow: bool, replaced: list[bool]) -> Iterator[None]:
+    """Graphs Inductor compiles inside: its ``reorder_for_peak_memory`` scheduler pass
+    off when not ``allow``; when allowed, ``replaced`` gets one bool per graph, True
+    when the pass replaced the node order (it returns the scheduler's node list in a
+    new order, or in the same one). The pass is looked up on ``torch._inductor.memory``
+    when the scheduler runs, so wrapping the module attribute sees every call; a
+    torch without it (or without the config key) leaves everything as it is."""
+    import torch._inductor.config as iconfig
+
+    if not allow:
+        if hasattr(iconfig, "reorder_for_peak_memory"):
+            with iconfig.patch({"reorder_for_peak_memory": False}):
+                yield
+        else:  # pragma: no cover - a torch without the pass
+            yield
+        return
+    try:
+        from torch._inductor import memory as imem
+
+        orig = imem.reorder_for_peak_memory
+    except (ImportError, AttributeError):  # pragma: no cover
+        yield
+        return
+
+    def watched(nodes: Any, *args: Any, **kwargs: Any) -> Any:
+        before = [id(n) for n in nodes]
+        out = orig(nodes, *args, **kwargs)
+        replaced.append([id(n) for n in out] != before)
+        return out
+
+    imem.reorder_for_peak_memory = watched
+    try:
+        yield
+    finally:
+        imem.reorder_for_peak_memory = orig
+
+
 class _JointHook:
     """Adapter: Inductor calls ``joint_custom_pre_pass(graph)`` on the joint graph
     (training) or the forward graph (inference) before partitioning."""

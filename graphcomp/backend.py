@@ -145,10 +145,33 @@ class FrameCompiler:
         stage = "bwd" if kwargs.get("is_backward") else "fwd"
         self._stage_inputs(stage, gm, list(kwargs.get("static_input_idxs") or ()), kwargs.get("is_inference", False))
         gm = self.run(stage, gm, example_inputs)
-        with _compat.inductor_cache_key(self.joint_hook_obj):
+        ours = any(c["kind"] in ("all_gather", "reduce_scatter") and not c.get("foreign")
+                   for c in self.record.stages[stage]["collectives"])
+        allow = self.cfg.inductor_memory_reorder or not ours
+        replaced: list[bool] = []
+        with _compat.inductor_cache_key(self.joint_hook_obj), _compat.inductor_memory_reorder(allow, replaced):
             if self.plan.split_of(gm, stage) is not None:
-                return self.compile_pieces(stage, gm, kwargs)
-            return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+                out = self.compile_pieces(stage, gm, kwargs)
+            else:
+                out = _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+        if ours:
+            self._note_memory_reorder(stage, allow, replaced)
+        return out
+
+    def _note_memory_reorder(self, stage: str, allowed: bool, replaced: list[bool]) -> None:
+        """Record whether Inductor's peak-memory reorder replaced the order of a graph
+        (or its pieces) that holds graphcomp's collectives (``Config.inductor_memory_reorder``)."""
+        n = sum(replaced)
+        st = self.record.stages[stage]
+        st["inductor_memory_reorder"] = {"allowed": allowed, "graphs": len(replaced), "replaced": n}
+        if n:
+            SESSION.counters.add("inductor_memory_reorders", n)
+            log.info("graphcomp frame %d %s: Inductor's reorder_for_peak_memory replaced the node order of %d of "
+                     "%d graph(s) holding graphcomp's collectives (prefetch positions may have moved; "
+                     "inductor_memory_reorder=False keeps them)", self.frame_id, stage, n, len(replaced))
+        if len(replaced) - n:
+            SESSION.counters.add("inductor_memory_orders_kept", len(replaced) - n)
+        self._flush()
 
     # ------------------------------------------------- split graphs (cudagraphs)
     def _stage_inputs(self, stage: str, gm: fx.GraphModule, static_idxs: list[int], inference: bool) -> None:

@@ -91,6 +91,21 @@ class Config:
     (CPU default) both modes leave every tag as it is. ``passes={"remat": False}``
     switches the pass off."""
 
+    inductor_memory_reorder: bool = False
+    """``codegen="inductor"``: whether Inductor's ``reorder_for_peak_memory`` (a
+    scheduler pass that replaces a graph's node order with a topological order of
+    lower estimated peak, when it finds one) may run on graphs that hold graphcomp's
+    gathers and reduce-scatters. Such an order knows nothing of communication. On
+    the tiny Llama (2 CPU ranks, small buckets, every gather prefetched) it put each
+    forward gather back next to its use and moved every backward reduce-scatter to
+    the end of the backward, each waited at once; on the W1 model it replaced both
+    graphs' order too. ``False`` (default) keeps the order ``schedule_prefetch``
+    chose, as torchtitan's SimpleFSDP does; that order's estimated peak is the one
+    graphcomp plans with (``memory_budget``). Graphs without graphcomp's collectives
+    are left to Inductor either way. Each graph with them counts
+    ``inductor_memory_reorders`` when Inductor replaced its order and
+    ``inductor_memory_orders_kept`` when it looked and kept it (with ``True``)."""
+
     prefetch_bytes: int = 128 * 2**20
     """Pass ``schedule_prefetch``: most bytes of all-gather outputs in flight
     (issued but not yet waited) at any point of a forward or backward graph.

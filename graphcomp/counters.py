@@ -58,6 +58,12 @@ class Counters(Mapping):
     """Language-model losses rewritten into the chunked op (chunk_lm_loss)."""
     pieces_not_inductor: int = 0
     """Split pieces run as FX graphs because Inductor cannot bind their scalar inputs."""
+    inductor_memory_reorders: int = 0
+    """Graphs (or pieces) with graphcomp's collectives whose node order Inductor's
+    reorder_for_peak_memory replaced (Config.inductor_memory_reorder)."""
+    inductor_memory_orders_kept: int = 0
+    """Graphs (or pieces) with graphcomp's collectives whose order Inductor's
+    reorder_for_peak_memory looked at and kept."""
     rank_agreement_checks: int = 0
     """Stage graphs whose collective sequence was compared with the other ranks' (Config.rank_agreement)."""
     rank_divergences: int = 0
