@@ -109,6 +109,15 @@ def format_frame(frame: dict[str, Any]) -> str:
         out.append(_table(crow, ["stage", "collective", "dtype", "count", "bytes", "buckets"]))
     else:
         out.append("(no collectives)")
+    orders = []
+    for stage, st in frame.get("stages", {}).items():
+        r = st.get("inductor_memory_reorder")
+        if r:
+            orders.append(f"{stage}: " + ("graphcomp's order kept (Inductor's reorder_for_peak_memory off)"
+                                          if not r["allowed"] else
+                                          f"Inductor replaced the order of {r['replaced']} of {r['graphs']} graph(s)"))
+    if orders:
+        out.append("Inductor node order (inductor_memory_reorder): " + "; ".join(orders))
     mrow = []
     for stage, st in frame.get("stages", {}).items():
         m = st.get("memory")

@@ -106,3 +106,19 @@ def test_default_keeps_graphcomps_order_and_the_option_lets_inductor_reorder(ran
         assert rec_moved["fwd"]["replaced"] == 1 and rec_moved["bwd"]["replaced"] == 1
         assert m_re == 2 and m_kept == 0
         assert l_kept == l_moved  # reordering independent kernels changes no number
+
+
+def test_inspect_says_whose_order_ran():
+    from graphcomp.inspect_dumps import format_frame
+
+    def stage(rec):
+        return {"nodes_out": 1, "passes": [], "collectives": [], "inductor_memory_reorder": rec}
+
+    frame = {"frame": 0, "stages": {"fwd": stage({"allowed": False, "graphs": 0, "replaced": 0}),
+                                    "bwd": stage({"allowed": True, "graphs": 2, "replaced": 1})}}
+    text = format_frame(frame)
+    assert ("Inductor node order (inductor_memory_reorder): fwd: graphcomp's order kept (Inductor's "
+            "reorder_for_peak_memory off); bwd: Inductor replaced the order of 1 of 2 graph(s)") in text
+    frame["stages"]["fwd"].pop("inductor_memory_reorder")
+    frame["stages"]["bwd"].pop("inductor_memory_reorder")
+    assert "Inductor node order" not in format_frame(frame)  # eager codegen, or no collectives
