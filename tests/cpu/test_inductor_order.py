@@ -112,7 +112,7 @@ def test_inspect_says_whose_order_ran():
     from graphcomp.inspect_dumps import format_frame
 
     def stage(rec):
-        return {"nodes_out": 1, "passes": [], "collectives": [], "inductor_memory_reorder": rec}
+        return {"nodes_in": 1, "nodes_out": 1, "passes": [], "collectives": [], "inductor_memory_reorder": rec}
 
     frame = {"frame": 0, "stages": {"fwd": stage({"allowed": False, "graphs": 0, "replaced": 0}),
                                     "bwd": stage({"allowed": True, "graphs": 2, "replaced": 1})}}
