@@ -101,7 +101,10 @@ class Config:
     the end of the backward, each waited at once. On the W1 model at its benchmark
     size (4 x 1024 tokens, 2 CPU ranks) it kept the forward's order and replaced the
     backward's with a breadth-first order of 3.4% lower estimated peak (1.87 vs 1.93
-    GB). ``False`` (default) keeps the order ``schedule_prefetch``
+    GB) in which each of the backward's first four gathers is waited right after it
+    is issued, behind the head gradient's reduce-scatter: the W1 trace on 2 H200s
+    (0dea721) shows that reduce-scatter and three gathers exposed in a row at the
+    backward's start. ``False`` (default) keeps the order ``schedule_prefetch``
     chose, as torchtitan's SimpleFSDP does; that order's estimated peak is the one
     graphcomp plans with (``memory_budget``). Graphs without graphcomp's collectives
     are left to Inductor either way. Each graph with them counts
