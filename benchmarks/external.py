@@ -310,6 +310,12 @@ def build_graphcomp_whole_step(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, whole_step=True)
 
 
+def build_graphcomp_except_last(ctx: Ctx) -> Built:
+    """graphcomp with ``reshard_after_forward="except_last"``: the gather the backward
+    reads first (the last block's) is kept from the forward instead of re-gathered."""
+    return build_graphcomp(ctx, options={"reshard_after_forward": "except_last"})
+
+
 def build_graphcomp_inductor_memory_reorder(ctx: Ctx) -> Built:
     """graphcomp with Inductor's reorder_for_peak_memory allowed on its scheduled
     graphs (``Config.inductor_memory_reorder=True``; the default keeps graphcomp's order)."""
@@ -420,6 +426,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-eager_optimizer": build_graphcomp_eager_optimizer,
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-inductor_memory_reorder": build_graphcomp_inductor_memory_reorder,
+    "graphcomp-except_last": build_graphcomp_except_last,
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,
 }

@@ -55,14 +55,19 @@ class Config:
     fewer, more efficient collectives but more memory held by gathered parameters
     early (a bucket is gathered at its first use). Must be >= 0; 0 disables bucketing."""
 
-    reshard_after_forward: bool | Literal["auto"] = True
+    reshard_after_forward: bool | Literal["auto", "except_last"] = True
     """Pass ``schedule_free``: whether a gathered parameter is released after its
     last use in forward and gathered again in backward. ``True``: reshard every
     gathered parameter (least memory, one more gather per parameter); ``False``:
     keep every gathered parameter for backward (no re-gather, most memory);
     ``"auto"``: keep the parameters whose re-gather costs most per byte held
     (small gathers: latency-bound) while the estimated peak of the joint graph
-    stays under ``memory_budget`` (without a budget, "auto" keeps everything)."""
+    stays under ``memory_budget`` (without a budget, "auto" keeps everything);
+    ``"except_last"``: reshard every gathered parameter but the gather (bucket) the
+    backward reads first -- the last block's, which the backward would otherwise
+    wait for at its very start with nothing to overlap; FSDP2 users get the same by
+    not resharding the last block. Costs that bucket's bytes (at most
+    ``bucket_bytes``) held from the forward's end into the backward."""
 
     memory_budget: int | float | Literal["auto"] | None = "auto"
     """Peak-memory budget for the scheduling passes: ``int`` bytes, or a ``float``

@@ -18,7 +18,8 @@ pure view/unpack/getitem/cast nodes up to the first compute users) with
   partitioner does to collectives anyway: ``force_save_collectives``).
 
 Which groups are resharded follows ``Config.reshard_after_forward``: ``True`` all,
-``False`` none, ``"auto"``: start from all resharded and keep groups in order of
+``False`` none, ``"except_last"`` all but the group the backward reads first (its
+first backward node's; the last block's bucket), ``"auto"``: start from all resharded and keep groups in order of
 re-gather cost per byte held (``(LATENCY_S + wire_bytes / BANDWIDTH_BPS) /
 held_bytes``; small, latency-bound gathers first; ties in graph order) while the
 static memory model (``graphcomp.memory``) of the joint graph stays under
@@ -182,6 +183,23 @@ def gather_groups(gm: fx.GraphModule, bwd: set[fx.Node] | None = None) -> list[G
     return groups
 
 
+def first_backward_reads(gm: fx.GraphModule, groups: list[GatherGroup], bwd: set[fx.Node]) -> set[int]:
+    """``reshard_after_forward="except_last"``: indices of the groups whose gathered
+    value the backward reads first (every group read by that first backward node:
+    usually the last block's bucket). Groups the backward never reads (an LM head
+    whose gradient the chunked loss made in the forward) are not candidates."""
+    idx = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        uses = [idx[u] for v in (g.wait, *g.post) if v is not None for u in v.users if u in bwd]
+        if uses:
+            first[i] = min(uses)
+    if not first:
+        return set()
+    earliest = min(first.values())
+    return {i for i, f in first.items() if f == earliest}
+
+
 def regather_cost_per_byte(g: GatherGroup) -> float:
     return (LATENCY_S + g.wire_bytes / BANDWIDTH_BPS) / max(g.held_bytes, 1)
 
@@ -235,7 +253,13 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             ctx.count("budget_infeasible")
             ctx.counter("memory_budget_infeasible", 1)
     else:
-        kept = set() if mode else set(range(len(groups)))
+        if mode == "except_last":
+            kept = first_backward_reads(gm, groups, bwd)
+            ctx.note(f"reshard_after_forward='except_last': kept {', '.join(groups[i].coll.name for i in sorted(kept))}"
+                     " (the backward reads it first)" if kept else
+                     "reshard_after_forward='except_last': the backward reads no gathered parameter")
+        else:
+            kept = set() if mode else set(range(len(groups)))
         reshard = set().union(*(g.roots() for i, g in enumerate(groups) if i not in kept))
         est = memory.estimate(gm, reshard, bwd)
     n_tagged = 0

@@ -124,6 +124,23 @@ def test_reshard_false_saves_every_gathered_param():
     assert got["records"]["schedule_free"].counts["gathers_kept"] == 2
 
 
+def test_except_last_keeps_the_gather_the_backward_reads_first():
+    """Two layers: the backward reads w2 (the last layer's) first. ``except_last``
+    saves w2's gathered value for the backward and re-gathers only w1."""
+    with world1_group() as group:
+        f = _mlp(group)
+        ref = _run(f, _inputs())
+        cf, got = _compile(f, ["schedule_free"], reshard_after_forward="except_last")
+        res = _run(cf, _inputs())
+    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    (saved,) = _saved_gathers(got["fwd"])
+    (ag,) = _gathers(got["bwd"])
+    assert tuple(ag.meta["val"].shape) == (8, 6)  # w1 re-gathered: (8, 6); w2 is (4, 8)
+    rec = got["records"]["schedule_free"]
+    assert rec.counts["gathers_resharded"] == 1 and rec.counts["gathers_kept"] == 1
+    assert "kept" in " ".join(rec.notes) and "reads it first" in " ".join(rec.notes)
+
+
 def test_bucketed_gathers_regather_as_one_bucket():
     with world1_group() as group:
         f = _mlp(group, torch.bfloat16)

@@ -163,11 +163,12 @@ _SCHED = {
     "off": {"passes": {"schedule_prefetch": False, "schedule_free": False}},
     "keep": {"options": {"reshard_after_forward": False, "prefetch_bytes": 4096}},
     "auto": {"options": {"reshard_after_forward": "auto", "memory_budget": 260_000, "prefetch_bytes": 0}},
+    "except_last": {"options": {"reshard_after_forward": "except_last"}},
 }
 
 
 def test_bf16_schedule_policies_are_bitwise_equal(ranks2):
-    """Resharding, keeping, "auto" under a budget, any prefetch cap, and both
+    """Resharding, keeping, keeping the last, "auto" under a budget, any prefetch cap, and both
     scheduling passes off give bitwise the same training (scheduling only moves
     and re-runs gathers; a re-gather of the fused bf16 shard is the same bits)."""
     base = ranks2.run(_train_sharded, {"fuse": True, "bucket": False, "param_dtype": torch.bfloat16, "steps": 3})
@@ -177,6 +178,8 @@ def test_bf16_schedule_policies_are_bitwise_equal(ranks2):
             assert losses == bl, name
             for k in bp:
                 torch.testing.assert_close(params[k], bp[k], rtol=0, atol=0, msg=lambda m, k=k: f"{name} {k}: {m}")
+        if name == "except_last":  # one gather (the last layer's weight read first) kept, the rest resharded
+            assert res[0][2]["gathers_resharded"] == base[0][2]["gathers_resharded"] - 1
     c = base[0][2]
     # schedule_free resharded; schedule_prefetch reordered the forward and the backward
     # (the CPU parameters sit on a one-worker-thread gloo group: docs/heap-corruption.md)
