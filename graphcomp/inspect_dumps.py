@@ -62,6 +62,19 @@ def remat_rows(frame: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def inductor_order_text(frame: dict[str, Any]) -> str | None:
+    """Per stage, whose node order Inductor compiled (``Config.inductor_memory_reorder``);
+    None when no stage has a record (eager codegen, or no graphcomp collective)."""
+    orders = []
+    for stage, st in frame.get("stages", {}).items():
+        r = st.get("inductor_memory_reorder")
+        if r:
+            orders.append(f"{stage}: " + ("graphcomp's order kept (Inductor's reorder_for_peak_memory off)"
+                                          if not r["allowed"] else
+                                          f"Inductor replaced the order of {r['replaced']} of {r['graphs']} graph(s)"))
+    return "; ".join(orders) or None
+
+
 def format_frame(frame: dict[str, Any]) -> str:
     """One frame: a pass table per stage, then a collective table."""
     cs = frame.get("compile_seconds")
@@ -109,15 +122,9 @@ def format_frame(frame: dict[str, Any]) -> str:
         out.append(_table(crow, ["stage", "collective", "dtype", "count", "bytes", "buckets"]))
     else:
         out.append("(no collectives)")
-    orders = []
-    for stage, st in frame.get("stages", {}).items():
-        r = st.get("inductor_memory_reorder")
-        if r:
-            orders.append(f"{stage}: " + ("graphcomp's order kept (Inductor's reorder_for_peak_memory off)"
-                                          if not r["allowed"] else
-                                          f"Inductor replaced the order of {r['replaced']} of {r['graphs']} graph(s)"))
+    orders = inductor_order_text(frame)
     if orders:
-        out.append("Inductor node order (inductor_memory_reorder): " + "; ".join(orders))
+        out.append("Inductor node order (inductor_memory_reorder): " + orders)
     mrow = []
     for stage, st in frame.get("stages", {}).items():
         m = st.get("memory")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .dump import load_runtime, load_summaries
-from .inspect_dumps import REMAT_HEADER, RUNTIME_HEADER, _fmt_bytes, remat_rows, runtime_rows
+from .inspect_dumps import REMAT_HEADER, RUNTIME_HEADER, _fmt_bytes, inductor_order_text, remat_rows, runtime_rows
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1b1b;max-width:1200px}
@@ -193,6 +193,9 @@ def _frame(frame: dict[str, Any]) -> str:
             ("world size", frame.get("world_size")), ("recompile", frame.get("recompile")),
             ("compile time", f"{cs:.2f} s" if isinstance(cs, (int, float)) else "?"),
             ("inputs", frame.get("num_inputs")), ("stages", ", ".join(frame.get("stages", {})))]
+    order = inductor_order_text(frame)
+    if order:
+        meta.append(("Inductor node order", order))
     dl = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in meta)
     cfg = json.dumps(frame.get("config", {}), indent=1, sort_keys=True, default=str)
     return (f'<section class="frame" id="frame-{fid}"><h2>Frame {fid}</h2><dl>{dl}</dl>'

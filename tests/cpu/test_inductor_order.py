@@ -119,6 +119,11 @@ def test_inspect_says_whose_order_ran():
     text = format_frame(frame)
     assert ("Inductor node order (inductor_memory_reorder): fwd: graphcomp's order kept (Inductor's "
             "reorder_for_peak_memory off); bwd: Inductor replaced the order of 1 of 2 graph(s)") in text
+    from graphcomp.inspect_html import _frame
+
+    page = _frame(frame)
+    assert "<dt>Inductor node order</dt><dd>fwd: graphcomp&#x27;s order kept" in page
     frame["stages"]["fwd"].pop("inductor_memory_reorder")
     frame["stages"]["bwd"].pop("inductor_memory_reorder")
     assert "Inductor node order" not in format_frame(frame)  # eager codegen, or no collectives
+    assert "Inductor node order" not in _frame(frame)
