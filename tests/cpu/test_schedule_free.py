@@ -76,6 +76,18 @@ def _run(f, inputs):
     return out.detach(), grads
 
 
+def _compiled_matches_eager(model, inputs, passes, **options):
+    """``model(group)`` run eagerly and through ``_compile(passes, **options)`` on a
+    1-rank group: outputs and input gradients bitwise equal; returns ``got``."""
+    with world1_group() as group:
+        f = model(group)
+        ref = _run(f, inputs())
+        cf, got = _compile(f, passes, **options)
+        res = _run(cf, inputs())
+    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    return got
+
+
 def _saved_gathers(fwd):
     """fwd outputs that are (views/casts of) a gathered value."""
     out = next(n for n in fwd.graph.nodes if n.op == "output")
@@ -95,13 +107,9 @@ def _gathers(gm):
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_reshard_true_regathers_in_backward_and_saves_no_gathered_param(fuse):
-    with world1_group() as group:
-        f = _mlp(group, torch.bfloat16 if fuse else None)
-        ref = _run(f, _inputs())
-        passes = ["fuse_allgather_downcast", "schedule_free"] if fuse else ["schedule_free"]
-        cf, got = _compile(f, passes, reshard_after_forward=True)
-        res = _run(cf, _inputs())
-    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    passes = ["fuse_allgather_downcast", "schedule_free"] if fuse else ["schedule_free"]
+    got = _compiled_matches_eager(lambda g: _mlp(g, torch.bfloat16 if fuse else None), _inputs, passes,
+                                  reshard_after_forward=True)
     assert _saved_gathers(got["fwd"]) == []
     assert len(_gathers(got["fwd"])) == 2 and len(_gathers(got["bwd"])) == 2
     rec = got["records"]["schedule_free"]
@@ -113,12 +121,7 @@ def test_reshard_true_regathers_in_backward_and_saves_no_gathered_param(fuse):
 
 
 def test_reshard_false_saves_every_gathered_param():
-    with world1_group() as group:
-        f = _mlp(group)
-        ref = _run(f, _inputs())
-        cf, got = _compile(f, ["schedule_free"], reshard_after_forward=False)
-        res = _run(cf, _inputs())
-    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    got = _compiled_matches_eager(_mlp, _inputs, ["schedule_free"], reshard_after_forward=False)
     assert len(_saved_gathers(got["fwd"])) == 2
     assert _gathers(got["bwd"]) == []
     assert got["records"]["schedule_free"].counts["gathers_kept"] == 2
@@ -127,12 +130,7 @@ def test_reshard_false_saves_every_gathered_param():
 def test_except_last_keeps_the_gather_the_backward_reads_first():
     """Two layers: the backward reads w2 (the last layer's) first. ``except_last``
     saves w2's gathered value for the backward and re-gathers only w1."""
-    with world1_group() as group:
-        f = _mlp(group)
-        ref = _run(f, _inputs())
-        cf, got = _compile(f, ["schedule_free"], reshard_after_forward="except_last")
-        res = _run(cf, _inputs())
-    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    got = _compiled_matches_eager(_mlp, _inputs, ["schedule_free"], reshard_after_forward="except_last")
     (saved,) = _saved_gathers(got["fwd"])
     (ag,) = _gathers(got["bwd"])
     assert tuple(ag.meta["val"].shape) == (8, 6)  # w1 re-gathered: (8, 6); w2 is (4, 8)
@@ -142,12 +140,8 @@ def test_except_last_keeps_the_gather_the_backward_reads_first():
 
 
 def test_bucketed_gathers_regather_as_one_bucket():
-    with world1_group() as group:
-        f = _mlp(group, torch.bfloat16)
-        ref = _run(f, _inputs())
-        cf, got = _compile(f, ["fuse_allgather_downcast", "bucket_collectives", "schedule_free"])
-        res = _run(cf, _inputs())
-    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    got = _compiled_matches_eager(lambda g: _mlp(g, torch.bfloat16), _inputs,
+                                  ["fuse_allgather_downcast", "bucket_collectives", "schedule_free"])
     (ag,) = _gathers(got["bwd"])
     assert ag.meta["val"].dtype == torch.bfloat16
     assert _saved_gathers(got["fwd"]) == []
@@ -272,12 +266,7 @@ def _fwd_outputs(fwd):
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_expanding_read_of_a_gathered_parameter_is_recomputed_not_saved(reshard):
-    with world1_group() as group:
-        f = _experts(group)
-        ref = _run(f, _expert_inputs())
-        cf, got = _compile(f, ["schedule_free"], reshard_after_forward=reshard)
-        res = _run(cf, _expert_inputs())
-    torch.testing.assert_close(res, ref, rtol=0, atol=0)
+    got = _compiled_matches_eager(_experts, _expert_inputs, ["schedule_free"], reshard_after_forward=reshard)
     saved_shapes = [tuple(n.meta["val"].shape) for n in _fwd_outputs(got["fwd"]) if "val" in n.meta]
     assert (32, 3, 4) not in saved_shapes, saved_shapes  # no per-token weight copy
     bwd_index = [n for n in got["bwd"].graph.nodes if is_target(n, torch.ops.aten.index.Tensor)]
