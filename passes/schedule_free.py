@@ -92,7 +92,12 @@ class GatherGroup:
 
     @property
     def nodes(self) -> list[fx.Node]:
-        return [*self.pre, self.coll, *([self.wait] if self.wait is not None else []), *self.post]
+        return [*self.pre, self.coll, *self.values]
+
+    @property
+    def values(self) -> list[fx.Node]:
+        """The gathered value as the graph reads it: the wait and its pure views/casts."""
+        return [*([self.wait] if self.wait is not None else []), *self.post]
 
     def roots(self) -> set[fx.Node]:
         """Storages the gathered parameter occupies (collective output, unpack/cast outputs)."""
@@ -146,7 +151,7 @@ def expanding_reads(g: GatherGroup, bwd: set[fx.Node]) -> list[fx.Node]:
     ``EXPANSION_RATIO`` times its size (the parameter as the table of an index,
     index_select or embedding), each followed by its pure view descendants."""
     out: list[fx.Node] = []
-    for t in [n for n in (g.wait, *g.post) if n is not None]:
+    for t in g.values:
         tb = memory.value_bytes(t)
         for u in t.users:
             if (u in bwd or u.op != "call_function" or u.target not in EXPANDING_OPS or not u.args
@@ -191,7 +196,7 @@ def first_backward_reads(gm: fx.GraphModule, groups: list[GatherGroup], bwd: set
     idx = {n: i for i, n in enumerate(gm.graph.nodes)}
     first: dict[int, int] = {}
     for i, g in enumerate(groups):
-        uses = [idx[u] for v in (g.wait, *g.post) if v is not None for u in v.users if u in bwd]
+        uses = [idx[u] for v in g.values for u in v.users if u in bwd]
         if uses:
             first[i] = min(uses)
     if not first:
