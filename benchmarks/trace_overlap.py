@@ -101,7 +101,7 @@ def overlap_report(path: str) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str]) -> None:
-    if not argv:
+    if not argv or argv[0] in ("-h", "--help"):
         raise SystemExit(__doc__)
     if argv[0] == "--exposed":
         argv, min_us = argv[1:], 100.0
