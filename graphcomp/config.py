@@ -121,8 +121,10 @@ class Config:
     (issued but not yet waited) at any point of a forward or backward graph.
     Gathers are issued early (in program order) until this cap; a single gather
     larger than the cap (an embedding or LM-head table) is issued early only while
-    no other gather is in flight. Must be >= 0; 0 disables prefetching (waits still
-    sink to their first use)."""
+    the other gathers in flight hold at most half the cap. The same cap bounds the
+    reduce-scatter inputs in flight (the oldest is waited when a new one would pass
+    it), not counting one reduce-scatter larger than the cap on its own. Must be
+    >= 0; 0 disables prefetching (waits still sink to their first use)."""
 
     cudagraphs: CudaGraphsMode = "auto"
     """CUDA-graph capture of the forward/backward graphs (passes ``partition_graph``

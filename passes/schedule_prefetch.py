@@ -18,12 +18,15 @@ its original order) and the collective groups:
   are issued in their original order; each as early as allowed by (a) its
   inputs, (b) the previous gather's issue point, (c) ``Config.prefetch_bytes``:
   the gathered bytes in flight (issued, not yet waited) never pass it but for one
-  gather larger than the cap on its own, and (d)
+  gather larger than the cap on its own (then at most that gather plus half the
+  cap), and (d)
   ``Config.memory_budget``: the static memory model's live bytes plus the
   prefetched buffer stay under the budget. A single gather larger than the cap
-  moves only while no other gather is in flight (an embedding or LM-head table:
-  it overlaps the compute before its use, as one buffer; 0 still disables
-  prefetching).
+  (an embedding or LM-head table) moves only while the other gathers in flight
+  hold at most half the cap: it overlaps the compute before its use, as one
+  buffer, and a small gather still in flight (the final norm's weight, issued
+  with the last block's) does not hold it at its use; 0 still disables
+  prefetching.
 * reduce-scatter group: the pure input chain (cast, pad, pack_for_reduce_scatter,
   views), ``reduce_scatter`` and its ``wait``: the collective is issued right
   after its last compute input, behind any gather issued at that point (the
@@ -33,7 +36,10 @@ its original order) and the collective groups:
   the cast, the split) is placed as late as possible, before the graph output or
   the first node that needs it, with at most ``prefetch_bytes`` of
   reduce-scatter inputs in flight (the oldest is waited just before a new one
-  would pass the cap: an input buffer stays allocated until its wait).
+  would pass the cap: an input buffer stays allocated until its wait), not
+  counting one that is larger than the cap on its own (the LM head's gradient:
+  waited when the next small one was ready, it stalled the backward's top for
+  most of its length).
 
 Tensor-parallel collectives (on a group ``shard(mesh=...)`` did not shard over,
 ``graph_utils.is_foreign_collective``) are not groups: they stay in ``B``, in their
@@ -171,14 +177,16 @@ def plan(gm: fx.GraphModule, prefetch_bytes: int, budget: int | None, move_rs: b
         orig = before_b[g.coll]
         p = use
         # a gather larger than the cap on its own (an embedding or LM-head table) moves
-        # while no other gather is in flight: it overlaps the compute before its use
-        # instead of waiting there, and one such buffer is the most prefetch adds
+        # while the other gathers in flight hold at most half the cap (the final norm's
+        # small weight, prefetched with the last block, must not pin the LM head to its
+        # use, as it did at W2): it overlaps the compute before its use instead of
+        # waiting there, and one such buffer is the most prefetch adds
         alone = 0 < prefetch_bytes < g.nbytes
         if alone:
             stats["oversized_gathers"] += 1
         while p > lo:
             q2 = p - 1
-            if (inflight[q2] > 0) if alone else (inflight[q2] + g.nbytes > prefetch_bytes):
+            if (inflight[q2] > prefetch_bytes // 2) if alone else (inflight[q2] + g.nbytes > prefetch_bytes):
                 stats["limited_by_bytes"] += 1
                 break
             if live_b is not None and q2 < orig and live_b[q2] + extra[q2] + g.nbytes > budget:  # type: ignore[operator]
@@ -218,13 +226,27 @@ def plan(gm: fx.GraphModule, prefetch_bytes: int, budget: int | None, move_rs: b
         ready = max((bpos[a] for m in (*g.pre, g.coll) for a in m.all_input_nodes if a in bpos), default=-1)
         if ready + 1 < before_b[g.coll]:
             stats["rs_hoisted"] += 1
+        g.in_bytes = memory.value_bytes(g.coll.args[0]) if isinstance(g.coll.args[0], fx.Node) else 0
         rs_groups.append((ready, gi, g))
     pending: list[tuple[int, int, _Group]] = []
     pending_bytes = 0
+
+    def over_cap(nbytes: int) -> bool:
+        # one pending reduce-scatter larger than the cap on its own (the LM head's or
+        # the embedding's gradient) is not counted while the others hold at most the
+        # cap: waiting it as soon as the next one is ready stalled the compute for
+        # most of its length (W2 on 2 H100s: the final norm's small gradient, ready
+        # right after the head's, forced the head's 2.8 ms reduce-scatter to be
+        # waited at the backward's top, 1.8 ms exposed per step)
+        big = max((og.in_bytes for _, _, og in pending if og.in_bytes > prefetch_bytes), default=0)
+        return pending_bytes - big + nbytes > prefetch_bytes
+
     for ready, gi, g in sorted(rs_groups, key=lambda t: (t[0], t[1])):
-        nbytes = memory.value_bytes(g.coll.args[0]) if isinstance(g.coll.args[0], fx.Node) else 0
-        while pending and pending_bytes + nbytes > prefetch_bytes:
-            _, ogi, og = pending.pop(0)
+        nbytes = g.in_bytes
+        while pending and over_cap(nbytes):
+            # the oldest counted one first (waiting the uncounted one frees nothing the cap sees)
+            k = next((i for i, (_, _, og) in enumerate(pending) if og.in_bytes <= prefetch_bytes), 0)
+            _, ogi, og = pending.pop(k)
             pending_bytes -= og.in_bytes
             keys[og.wait] = (ready, 3, ogi, idx[og.wait])
             stats["rs_waited_early"] += 1
@@ -233,7 +255,6 @@ def plan(gm: fx.GraphModule, prefetch_bytes: int, budget: int | None, move_rs: b
         # awaited by the next compute while a reduce-scatter is awaited at the end
         for n in (*g.pre, g.coll):
             keys[n] = (ready + 1, 1, len(groups) + gi, idx[n])
-        g.in_bytes = nbytes
         pending.append((ready, gi, g))
         pending_bytes += nbytes
     for _, gi, g in pending:

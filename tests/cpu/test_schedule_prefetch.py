@@ -290,3 +290,58 @@ def test_reduce_scatter_inputs_in_flight_are_capped():
     rs = [n for n in nodes if is_target(n, RS)]
     w1 = next(iter(rs[0].users))
     assert nodes.index(w1) < nodes.index(rs[1]) and rec.counts["rs_waited_early"] == 1
+
+
+def test_small_gather_in_flight_does_not_hold_the_head_at_its_use():
+    """W2 (2 H100s, 9d25f96): the final norm's small weight, gathered after the last
+    layer's and prefetched with it, was in flight through the last layer, and the
+    LM head (over the cap) moved only while nothing else was: it stayed at its use,
+    1.1 ms exposed per step. Now it moves while the others in flight hold at most
+    half the cap: it starts when the last layer's gather is waited (before: ahead 0)."""
+
+    def f(x, *shards):
+        *ws, norm, head = shards
+        for s in ws:
+            x = torch.tanh(x @ gather(s, 2, "g", shape=(8, 8)))
+        x = x * gather(norm, 2, "g", shape=(8,))
+        return x @ gather(head, 2, "g", shape=(8, 64))
+
+    shards = [torch.randn(4, 8) for _ in range(3)] + [torch.randn(4), torch.randn(4, 64)]
+    gm, rec = run_pass("schedule_prefetch", trace(f, torch.randn(2, 8), *shards), stage="fwd",
+                       prefetch_bytes=W_BYTES)
+    # layers one ahead; the norm's gather and the head's both issued when the last
+    # layer's gather is waited: the head overlaps the last layer and the norm
+    assert _ahead(gm) == [0, 2, 2, 2, 3]
+    assert rec.counts["oversized_gathers"] == 1
+    assert rec.counts["max_inflight_bytes"] == 8 * 64 * 4 + 8 * 4  # the head and the norm's weight
+    _waits_right_before_first_use(gm)
+
+
+def test_oversized_reduce_scatter_is_not_waited_when_the_next_small_one_is_ready():
+    """W2 (2 H100s, 9d25f96): the LM head's gradient (over the cap on its own) was
+    reduce-scattered, then the final norm's small gradient was ready, and the cap
+    forced the head's wait right there: the backward's top stalled 1.8 ms per step
+    for a collective it does not need until the optimizer. One oversized pending
+    reduce-scatter is now not counted while the others stay under the cap: it is
+    waited at the end, after every compute node."""
+
+    def f(h, g_logits, x, w_shard):
+        head_grad = g_logits.t() @ h  # [64, 8]: 4x the cap
+        r_head = reduce_scatter(head_grad, 2, "g")
+        norm_grad = (h * h).sum(0)  # [8]: small
+        r_norm = reduce_scatter(norm_grad, 2, "g")
+        y = torch.tanh(x @ gather(w_shard, 2, "g", shape=(8, 8)))
+        w_grad = y.t() @ x
+        r_w = reduce_scatter(w_grad, 2, "g")
+        return r_head / 2, r_norm / 2, r_w / 2, y
+
+    gm = trace(f, torch.randn(4, 8), torch.randn(4, 64), torch.randn(4, 8), torch.randn(4, 8))
+    gm, rec = run_pass("schedule_prefetch", gm, stage="bwd", prefetch_bytes=8 * 8 * 4)
+    nodes = list(gm.graph.nodes)
+    rs = [n for n in nodes if is_target(n, RS)]
+    head_wait = next(iter(rs[0].users))
+    assert rs[0].args[0].meta["val"].shape == (64, 8)
+    last_compute = max(i for i, n in enumerate(nodes) if _is_compute(n) and n.target in (
+        torch.ops.aten.mm.default, torch.ops.aten.tanh.default))
+    assert nodes.index(head_wait) > last_compute  # before: waited when the norm's was ready
+    assert rec.counts["rs_waited_early"] == 1  # the norm's, when the weight's would pass the cap
