@@ -129,13 +129,15 @@ def _raw_counters(graphcomp) -> dict:
 
 
 def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None,
-                    eager_optimizer: bool = False, whole_step: bool = False, options: dict | None = None) -> Built:
+                    eager_optimizer: bool = False, whole_step: bool = False, options: dict | None = None,
+                    embedding: str = "gather") -> Built:
     """``eager_optimizer``: torch's eager clip + step (the ``graphcomp-eager_optimizer``
     system) instead of graphcomp's captured step (``graphcomp``, on CUDA).
     ``whole_step``: the ``graphcomp`` step (captured optimizer) through
     ``graphcomp.capture_step``, one CUDA graph per step (``graphcomp-whole_step``).
     ``options``: ``graphcomp.Config`` options over the defaults (a system that
-    measures one option, e.g. ``graphcomp-inductor_memory_reorder``)."""
+    measures one option, e.g. ``graphcomp-inductor_memory_reorder``).
+    ``embedding``: ``graphcomp.shard``'s ``embedding=`` (``graphcomp-embedding_exchange``)."""
     graphcomp = _import_graphcomp()
     options = dict(options or {})
     if enable is not None:  # graphcomp-with_<pass>: a pass that is off by default, switched on
@@ -169,7 +171,8 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         graphcomp.shard(model, mesh=mesh, dp_dim="dp", param_dtype=BF16, reduce_dtype=torch.float32)
     elif sharded:
         try:
-            graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32)
+            kw = {} if embedding == "gather" else {"embedding": embedding}
+            graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32, **kw)
         except (AttributeError, ImportError) as e:
             raise NotRun(f"graphcomp.shard() not usable yet: {type(e).__name__}: {e}") from None
     compiled = torch.compile(model, backend=backend, options=options)
@@ -183,7 +186,8 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         cfg.update({
             "wrapping": ("graphcomp.shard(model, mesh=mesh, dp_dim='dp', param_dtype=bf16, reduce_dtype=fp32) "
                          "after the TP plan, then torch.compile" if ctx.tp > 1 else
-                         "graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32), then torch.compile"),
+                         f"graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32"
+                         f"{'' if embedding == 'gather' else f', embedding={embedding!r}'}), then torch.compile"),
             "mixed_precision": "param_dtype=bf16 (gathered weights bf16), reduce_dtype=fp32; no autocast",
             "compute": workloads.compute_note(ctx.workload),
             "master_weights": "fp32 shards (optimizer built on model.parameters() after shard)",
@@ -322,6 +326,14 @@ def build_graphcomp_inductor_memory_reorder(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"inductor_memory_reorder": True})
 
 
+def build_graphcomp_embedding_exchange(ctx: Ctx) -> Built:
+    """graphcomp with ``shard(model, embedding="exchange")``: the input embedding's
+    compiled lookups exchange tokens and rows instead of gathering the table."""
+    if ctx.tp > 1:
+        raise NotRun("embedding='exchange' applies to 1-D sharding only (--tp 1)")
+    return build_graphcomp(ctx, embedding="exchange")
+
+
 def make_ablation_builder(pass_name: str):
     def build(ctx: Ctx) -> Built:
         return build_graphcomp(ctx, disable=pass_name)
@@ -427,6 +439,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-inductor_memory_reorder": build_graphcomp_inductor_memory_reorder,
     "graphcomp-except_last": build_graphcomp_except_last,
+    "graphcomp-embedding_exchange": build_graphcomp_embedding_exchange,
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,
 }

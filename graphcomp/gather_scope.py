@@ -88,9 +88,11 @@ class _ScopeNode(torch.autograd.Function):
         return (None, gx, *out)
 
 
-def install(module: nn.Module, infos: dict[str, Any]) -> None:
+def install(module: nn.Module, infos: dict[str, Any], exchange: bool = False) -> None:
     """Open a scope around every eager forward of ``module`` over its sharded
-    parameters ``infos`` (name -> ShardInfo)."""
+    parameters ``infos`` (name -> ShardInfo). ``exchange``: an embedding whose
+    compiled lookups exchange tokens (``graphcomp.embedding_exchange``): traced, no
+    scope (it would gather the table the exchange replaces)."""
     order = tuple(sorted(infos))
     ordered = tuple(infos[n] for n in order)
 
@@ -99,6 +101,8 @@ def install(module: nn.Module, infos: dict[str, Any]) -> None:
     # and in which is_compiling() is True)
     def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> Any:
         if torch.compiler.is_compiling():
+            if exchange:
+                return None
             # traced: the module's shards are gathered here, in the graph, in order;
             # reads take them from the scope. Traced through, that is the same gathers
             # one op earlier; after a graph break inside the module (an eager loop),

@@ -75,13 +75,16 @@ def is_foreign_collective(node: fx.Node) -> bool:
     those ``graphcomp.shard`` shards over (``SESSION.shard_groups``) is tensor
     parallel's (DTensor may issue it on any of the equal meshes' groups, so the test
     is "not ours", not "theirs"). The passes leave those alone: no fusing, bucketing,
-    freeing or moving. Without such a sharding (the 1-D path) nothing is foreign."""
+    freeing or moving. Without such a sharding (the 1-D path) nothing is foreign but
+    the token exchange of ``shard(embedding="exchange")``, on its own group."""
     from .session import SESSION
 
+    name = collective_group(node)
+    if name is not None and name in SESSION.exchange_groups:
+        return True  # shard(embedding="exchange")'s token exchange: activations, not parameters
     groups = SESSION.shard_groups
     if not any(groups.values()):
         return False
-    name = collective_group(node)
     return name is not None and name not in groups
 
 

@@ -328,6 +328,7 @@ def register(group_name: str, two_d: bool) -> None:
 def _forget_groups() -> None:
     # group names are reused by the next process groups: forget them with the groups
     SESSION.shard_groups.clear()
+    SESSION.exchange_groups.clear()
 
 
 def shard_groups() -> dict[str, bool]:

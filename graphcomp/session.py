@@ -10,6 +10,8 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
 * ``pass_registry`` -- the passes the pipeline runs (built once from
   ``graphcomp.pipeline.PASS_ORDER``; kept by ``reset()``);
 * ``shard_groups`` -- the groups ``graphcomp.shard`` shards over (kept by ``reset()``);
+* ``exchange_groups`` -- the groups of ``shard(embedding="exchange")``'s token
+  exchange (kept by ``reset()``; not parameter collectives: the passes leave them alone);
 * ``shape_following_code`` -- Dynamo ids of functions compiled with dynamic shapes;
 * ``agree_seq`` -- rank-agreement numbering (``graphcomp.agreement``; kept by ``reset()``);
 * ``runtime`` -- the CUDA-graph runtime (``graphcomp.runtime.manager.Runtime``: pool,
@@ -97,6 +99,9 @@ class Session:
         # (graph_utils.is_foreign_collective). Kept by reset() (it describes sharded
         # models, not compiles); emptied when the process group is destroyed
         self.shard_groups: dict[str, bool] = {}
+        # shard(embedding="exchange"): the groups its token exchanges run on (their
+        # collectives are activations', not parameters': graph_utils.is_foreign_collective)
+        self.exchange_groups: set[str] = set()
         self._frame_ids = itertools.count()
         # rank agreement (graphcomp.agreement): "epoch" (Dynamo restarts of frame ids)
         # and "eager:<group>" (eager checks made on a group). Kept by reset(): the store

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _compat, gather_scope, gloo_groups, mesh_sharding
+from . import _compat, embedding_exchange, gather_scope, gloo_groups, mesh_sharding
 from .shard_gather import _GatherParam, gather, gather_local, reduce_grad  # noqa: F401 (re-exported)
 from .shard_layout import (  # noqa: F401 (re-exported)
     _INFO_ATTR, ShardInfo, _contiguous_strides, _dtensor_cls, _padded_local, _row_slice,
@@ -74,9 +74,11 @@ def _make_property(name: str) -> property:
 
 
 @functools.lru_cache(maxsize=None)
-def _sharded_class(base: type, names: tuple[str, ...]) -> type:
+def _sharded_class(base: type, names: tuple[str, ...], exchange: bool = False) -> type:
     """``base`` plus a gather-on-use property per sharded parameter name. Cached,
-    so modules of one class share one subclass (stable for Dynamo's caches)."""
+    so modules of one class share one subclass (stable for Dynamo's caches).
+    ``exchange``: an ``nn.Embedding`` whose compiled lookups exchange tokens
+    (``graphcomp.embedding_exchange``)."""
 
     def __setattr__(self: nn.Module, name: str, value: Any) -> None:
         if name in names:
@@ -102,6 +104,13 @@ def _sharded_class(base: type, names: tuple[str, ...]) -> type:
             self.__class__ = sharded_cls
 
     ns: dict[str, Any] = {n: _make_property(n) for n in names}
+    if exchange:
+        def forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling():
+                return embedding_exchange.lookup(self, input, *self.__dict__["_graphcomp_exchange"])
+            return base.forward(self, input)
+
+        ns["forward"] = forward
     ns.update(
         __setattr__=__setattr__,
         extra_repr=extra_repr,
@@ -230,6 +239,7 @@ def shard(
     dp_dim: str | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
+    embedding: str = "gather",
 ) -> nn.Module:
     """Shard every parameter of ``model`` along dim 0 over ``group`` (default:
     the world), in place; returns ``model``.
@@ -247,7 +257,16 @@ def shard(
     cast back to the parameter's dtype). Build the optimizer *after* sharding.
     Reading ``module.weight`` returns the gathered full tensor (a fresh tensor:
     writing into it does not change the shard); see the module docstring.
+
+    ``embedding``: ``"gather"`` (default) gathers an ``nn.Embedding``'s table on use
+    like any parameter; ``"exchange"`` makes compiled lookups exchange tokens and
+    rows instead (activation-sized collectives, no table gather and no table-sized
+    gradient reduce-scatter; every rank must look up the same number of tokens), for
+    the embeddings it applies to (see ``graphcomp.embedding_exchange``).
     """
+    if embedding not in embedding_exchange.EMBEDDING_MODES:
+        raise ValueError(f"graphcomp.shard: embedding={embedding!r}; valid: "
+                         f"{', '.join(repr(m) for m in embedding_exchange.EMBEDDING_MODES)}")
     plan = None
     if mesh is not None or dp_dim is not None:
         if mesh is None:
@@ -318,13 +337,43 @@ def shard(
         infos[pname] = info
         mod._parameters[pname] = newp
 
+    owners_of: dict[int, int] = {}  # original parameter -> modules owning it (tied: more than one)
+    weight_of: dict[int, int] = {}  # module -> its original "weight" parameter
+    for _, mod, pname, p in owners:
+        owners_of[id(p)] = owners_of.get(id(p), 0) + 1
+        if pname == "weight":
+            weight_of[id(mod)] = id(p)
+    exchanging, xname = [], None
     for mod, infos in per_module.values():
         mod.__dict__[_INFO_ATTR] = infos
-        mod.__class__ = _sharded_class(type(mod), tuple(sorted(infos)))
-        gather_scope.install(mod, infos)
+        exchange = False
+        if embedding == "exchange" and "weight" in infos:
+            why = embedding_exchange.applies(mod, type(mod))
+            if why is None and two_d:
+                why = "2-D (tensor-parallel) sharding"
+            if why is None and world < 2:
+                why = "a group of one rank"
+            if why is None and owners_of.get(weight_of.get(id(mod), 0), 0) > 1:
+                why = "its weight is tied to another module's parameter"
+            if why is None and dist.get_world_size(group) != dist.get_world_size():
+                why = "sharded over a subgroup (its exchange group would need every rank of the job to create it)"
+            exchange = why is None
+            if exchange:
+                if xname is None:
+                    xname = _exchange_group(group, device)
+                mod.__dict__["_graphcomp_exchange"] = (rank, xname)
+                exchanging.append(infos["weight"].fqn)
+            elif isinstance(mod, nn.Embedding):
+                log.info("graphcomp.shard: embedding %s gathers its table (embedding='exchange' does not apply: %s)",
+                         infos["weight"].fqn, why)
+        mod.__class__ = _sharded_class(type(mod), tuple(sorted(infos)), exchange)
+        gather_scope.install(mod, infos, exchange)
         mod.register_state_dict_post_hook(_state_dict_post_hook)
         mod.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     mesh_sharding.register(group_name, two_d)
+    if exchanging:
+        log.info("graphcomp.shard: embedding='exchange': compiled lookups of %s exchange tokens instead of "
+                 "gathering the table", ", ".join(exchanging))
 
     log.info(
         "graphcomp.shard: %d parameters (%d bytes) sharded over %d ranks of group %s; %d bytes per rank, "
@@ -332,6 +381,25 @@ def shard(
         len(new_params), n_bytes, world, group_name, local_bytes, pad_bytes, param_dtype, reduce_dtype,
     )
     return model
+
+
+def _exchange_group(group: Any, device: torch.device) -> str:
+    """A group of the same ranks as ``group`` for ``embedding="exchange"``'s collectives
+    (on their own group, the passes tell them from parameter collectives:
+    ``graph_utils.is_foreign_collective``); gloo: one worker thread, as the parameter
+    group. Its communicator is started here, by a one-element all-reduce: a first
+    collective inside a CUDA-graph capture could not start it."""
+    from .session import SESSION
+
+    ranks = dist.get_process_group_ranks(group)
+    xg = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+    if device.type == "cpu":
+        xg = gloo_groups.serial_group(xg)
+    dev = device if device.type != "cpu" else torch.device("cpu")
+    dist.all_reduce(torch.zeros(1, device=dev), group=xg)
+    name = _compat.process_group_name(xg)
+    SESSION.exchange_groups.add(name)
+    return name
 
 
 # ---------------------------------------------------------------- state dict

@@ -1,0 +1,166 @@
+"""graphcomp.shard(model, embedding="exchange"): compiled embedding lookups exchange
+tokens and rows instead of gathering the table (graphcomp.embedding_exchange).
+
+Two gloo ranks: the tiny Llama trained 3 AdamW steps with the table gathered and
+with the exchange (fp32: the forward and the first gradients are the same numbers;
+bf16: the losses agree to bf16 noise), the table's gather gone from the compiled
+graphs, padding_idx rows without gradient, tied and overridden embeddings left to
+the table gather, eager calls unchanged, and ranks that look up different numbers
+of tokens failing with RankDivergence instead of exchanging mismatched buffers."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import DistPool
+
+
+def _train(rank, world, mode, pdt, steps=3):
+    import graphcomp
+    from graphcomp.models import Llama, synthetic_batch
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+    torch.manual_seed(0)
+    m = Llama("tiny")
+    graphcomp.shard(m, param_dtype=pdt, embedding=mode)
+    cm = torch.compile(m, backend="graphcomp")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses, grad0 = [], None
+    for step in range(steps):
+        tok, tgt = synthetic_batch(m.cfg, 2, 16, seed=step + 10 * rank)
+        loss = cm(tok, tgt)
+        loss.backward()
+        if step == 0:
+            grad0 = {n: p.grad.to_local().clone() for n, p in m.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+    return {"losses": losses, "grad0": grad0, "params": params, "counters": dict(graphcomp.counters),
+            "exchange": m.tok_emb.__dict__.get("_graphcomp_exchange") is not None}
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    with DistPool(2, timeout=300) as pool:
+        yield pool
+
+
+def test_fp32_exchange_matches_the_table_gather(ranks2):
+    gather = ranks2.run(_train, "gather", None)
+    exch = ranks2.run(_train, "exchange", None)
+    table_bytes = 2 * 66 * 32 * 4  # the tiny Llama's embedding gathered: 2 shards of 66 rows, fp32
+    for g, x in zip(gather, exch):
+        assert x["exchange"] and not g["exchange"]
+        assert x["losses"][0] == g["losses"][0]  # the forward is the same numbers
+        assert x["losses"] == pytest.approx(g["losses"], rel=1e-6)
+        for n in g["grad0"]:  # the table's gradient: the same sum in another order
+            torch.testing.assert_close(x["grad0"][n], g["grad0"][n], rtol=1e-6, atol=1e-9)
+        for n in g["params"]:
+            torch.testing.assert_close(x["params"][n], g["params"][n], rtol=1e-5, atol=1e-7)
+        # the table is gone from the parameter gathers: the forward's bucket and the
+        # backward's re-gather of it (the exchange's own collectives are not counted)
+        gathered = g["counters"]["bytes_gathered:float32"] - x["counters"]["bytes_gathered:float32"]
+        assert gathered == 2 * table_bytes, (g["counters"], x["counters"])
+
+
+def test_bf16_exchange_trains_as_the_table_gather(ranks2):
+    gather = ranks2.run(_train, "gather", torch.bfloat16)
+    exch = ranks2.run(_train, "exchange", torch.bfloat16)
+    for g, x in zip(gather, exch):
+        # the lookup's rows are the same bf16 numbers; Inductor fuses the graph
+        # around them differently, and the table's gradient is summed in fp32
+        assert x["losses"] == pytest.approx(g["losses"], rel=2e-3)
+        torch.testing.assert_close(x["grad0"]["tok_emb.weight"], g["grad0"]["tok_emb.weight"], rtol=2e-2, atol=2e-3)
+
+
+class _PadTied(nn.Module):
+    """An embedding with padding_idx=1 (exchange), a tied embedding/head pair and an
+    embedding subclass overriding forward (both gathered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 8, padding_idx=1)
+        self.tied = nn.Embedding(13, 8)
+        self.head = nn.Linear(8, 13, bias=False)
+        self.head.weight = self.tied.weight
+        self.scaled = _Scaled(13, 8)
+
+    def forward(self, ids):
+        return (self.head(self.emb(ids) + self.tied(ids)) + self.scaled(ids).sum(-1, keepdim=True)).square().mean()
+
+
+class _Scaled(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+def _pad_tied(rank, world):
+    import graphcomp
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+    torch.manual_seed(0)
+    m = _PadTied()
+    graphcomp.shard(m, embedding="exchange")
+    ids = torch.tensor([[1, 3, 1, 11], [0, 1, 7, 7]]) + rank  # padding_idx 1 on rank 0 (twice) and rank 1
+    eager = m(ids)
+    cm = torch.compile(m, backend="graphcomp")
+    loss = cm(ids)
+    loss.backward()
+    pad_grad = m.emb._parameters["weight"].grad.to_local()[1] if rank == 0 else None
+    return {"eager": eager.item(), "compiled": loss.item(),
+            "exchange": {k: getattr(m, k).__dict__.get("_graphcomp_exchange") is not None
+                         for k in ("emb", "tied", "scaled")},
+            "pad_grad_zero": None if pad_grad is None else bool((pad_grad == 0).all()),
+            "emb_grad_nonzero": bool(m.emb._parameters["weight"].grad.to_local().abs().sum() > 0)}
+
+
+def test_padding_tied_overridden_and_eager(ranks2):
+    for rank, r in enumerate(ranks2.run(_pad_tied)):
+        assert r["exchange"] == {"emb": True, "tied": False, "scaled": False}, r
+        assert r["compiled"] == pytest.approx(r["eager"], rel=1e-6)  # eager calls gather the table
+        assert r["emb_grad_nonzero"]
+        if rank == 0:
+            assert r["pad_grad_zero"]  # padding_idx gets no gradient, as with F.embedding
+
+
+def _uneven(rank, world):
+    import graphcomp
+    from graphcomp.errors import RankDivergence
+    from graphcomp.models import Llama, synthetic_batch
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+    torch.manual_seed(0)
+    m = Llama("tiny")
+    graphcomp.shard(m, embedding="exchange")
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager"})
+    tok, tgt = synthetic_batch(m.cfg, 2, 16 if rank == 0 else 8, seed=rank)
+    t0 = time.monotonic()
+    try:
+        cm(tok, tgt).backward()
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps backend errors: find ours
+        inner = e
+        while inner is not None and not isinstance(inner, RankDivergence):
+            inner = getattr(inner, "inner_exception", None) or inner.__cause__
+        return {"ours": inner is not None, "error": str(inner or e)[:400], "seconds": time.monotonic() - t0}
+    return {"ours": False, "error": None, "seconds": time.monotonic() - t0}
+
+
+def test_ranks_with_different_token_counts_raise_instead_of_exchanging():
+    with DistPool(2, timeout=200) as pool:
+        out = pool.run(_uneven, timeout=200)
+    for r in out:
+        assert r["ours"], r
+        assert r["seconds"] < 120, r
+
+
+def test_bad_mode_names_the_valid_ones():
+    import graphcomp
+
+    with pytest.raises(ValueError, match=r"embedding='table'; valid: 'gather', 'exchange'"):
+        graphcomp.shard(nn.Embedding(4, 2), embedding="table")
