@@ -71,7 +71,7 @@ def _reference(family):
     return [float(x) for x in losses], g1, {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
-def _sharded(rank, world, family, codegen):
+def _sharded(rank, world, family, codegen, embedding="gather", exchanged=None):
     import torch.distributed as dist
 
     import graphcomp
@@ -80,13 +80,20 @@ def _sharded(rank, world, family, codegen):
     torch._dynamo.reset()
     graphcomp.reset()
     m = zoo.build_model(family, "tiny", seed=0, dropout=0.0)
-    graphcomp.shard(m)
+    graphcomp.shard(m, embedding=embedding)
+    if exchanged is not None:  # (the embeddings that exchange tokens, by module name)
+        exchanged.extend(n for n, mod in m.named_modules() if "_graphcomp_exchange" in mod.__dict__)
     cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen})
     batches = [zoo.split_batch(zoo.make_batch(m, GLOBAL_BATCH, SEQ, seed=s), rank, world) for s in range(STEPS)]
     losses, g1 = _train(m, batches, lambda mm, b: cm(**b).loss, STEPS)
     lt = torch.stack(losses)
     dist.all_reduce(lt)
     return [float(x) / world for x in lt], g1, full_state_dict(m)
+
+
+def _sharded_exchange(rank, world, family):
+    names: list[str] = []
+    return (*_sharded(rank, world, family, "eager", "exchange", names), names)
 
 
 def _close(name, got, ref, rtol, floor):
@@ -125,6 +132,17 @@ def test_parity_eager_codegen_2ranks(ranks2, family):
 @pytest.mark.parametrize("family", INDUCTOR)
 def test_parity_inductor_2ranks(ranks2, family):
     _check(family, ranks2.run(_sharded, family, "inductor"), rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,exchanged", [("llama", ["model.embed_tokens"]), ("gpt2", ["transformer.wpe"])])
+def test_parity_embedding_exchange_2ranks(ranks2, family, exchanged):
+    """shard(embedding="exchange") against the unsharded eager reference: Llama's
+    embed_tokens exchanges tokens; GPT-2's wte is tied to lm_head and stays gathered,
+    its position embedding wpe (looked up by position ids) exchanges."""
+    res = ranks2.run(_sharded_exchange, family)
+    for r in res:
+        assert r[3] == exchanged, r[3]
+    _check(family, [r[:3] for r in res], rtol=1e-5)
 
 
 # ------------------------------------------------------------ MoE routing per rank
