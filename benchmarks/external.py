@@ -130,14 +130,15 @@ def _raw_counters(graphcomp) -> dict:
 
 def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None,
                     eager_optimizer: bool = False, whole_step: bool = False, options: dict | None = None,
-                    embedding: str = "gather") -> Built:
+                    embedding: str = "gather", fold_clip: bool = False) -> Built:
     """``eager_optimizer``: torch's eager clip + step (the ``graphcomp-eager_optimizer``
     system) instead of graphcomp's captured step (``graphcomp``, on CUDA).
     ``whole_step``: the ``graphcomp`` step (captured optimizer) through
     ``graphcomp.capture_step``, one CUDA graph per step (``graphcomp-whole_step``).
     ``options``: ``graphcomp.Config`` options over the defaults (a system that
     measures one option, e.g. ``graphcomp-inductor_memory_reorder``).
-    ``embedding``: ``graphcomp.shard``'s ``embedding=`` (``graphcomp-embedding_exchange``)."""
+    ``embedding``: ``graphcomp.shard``'s ``embedding=`` (``graphcomp-embedding_exchange``).
+    ``fold_clip``: ``graphcomp.optim.capture(..., fold_clip=True)`` (``graphcomp-fold_clip``)."""
     graphcomp = _import_graphcomp()
     options = dict(options or {})
     if enable is not None:  # graphcomp-with_<pass>: a pass that is off by default, switched on
@@ -230,10 +231,11 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         # captured step reads them, as long as zero_grad sets them to None (set_to_none=False
         # keeps param.grad: autograd adds into it and the runner copies every gradient out of
         # the pool per step; measured on W1, 1 GPU: 536 MB per step, +1.46 GiB peak)
-        captured = capture(opt, max_norm=CLIP)
+        captured = capture(opt, max_norm=CLIP, **({"fold_clip": True} if fold_clip else {}))
         step = standard_step(compiled, opt, ctx.device, autocast=not sharded, update=captured)
-        cfg["optimizer_step"] = (f"graphcomp.optim.capture(opt, max_norm={CLIP}) (clip + step as one CUDA graph; "
-                                 "torch's eager clip + step without CUDA), zero_grad(set_to_none=True)")
+        cfg["optimizer_step"] = (f"graphcomp.optim.capture(opt, max_norm={CLIP}{', fold_clip=True' if fold_clip else ''}) "
+                                 "(clip + step as one CUDA graph; torch's eager clip + step without CUDA), "
+                                 "zero_grad(set_to_none=True)")
     whole = None  # graphcomp.capture_step's step, when the system uses it
     if whole_step:
         capture_step = getattr(graphcomp, "capture_step", None)
@@ -332,6 +334,15 @@ def build_graphcomp_embedding_exchange(ctx: Ctx) -> Built:
     if ctx.tp > 1:
         raise NotRun("embedding='exchange' applies to 1-D sharding only (--tp 1)")
     return build_graphcomp(ctx, embedding="exchange")
+
+
+def build_graphcomp_fold_clip(ctx: Ctx) -> Built:
+    """graphcomp with ``graphcomp.optim.capture(opt, max_norm=..., fold_clip=True)``: the
+    clip coefficient applied inside fused AdamW (its grad_scale), no separate pass
+    multiplying every gradient."""
+    if ctx.device.type != "cuda":
+        raise NotRun("fold_clip needs the captured optimizer's fused AdamW (CUDA)")
+    return build_graphcomp(ctx, fold_clip=True)
 
 
 def make_ablation_builder(pass_name: str):
@@ -440,6 +451,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-inductor_memory_reorder": build_graphcomp_inductor_memory_reorder,
     "graphcomp-except_last": build_graphcomp_except_last,
     "graphcomp-embedding_exchange": build_graphcomp_embedding_exchange,
+    "graphcomp-fold_clip": build_graphcomp_fold_clip,
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,
 }

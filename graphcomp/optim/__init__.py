@@ -106,6 +106,7 @@ def capture(
     cudagraphs: str = "auto",
     check_static_inputs: str = "first",
     max_recaptures: int = 8,
+    fold_clip: bool = False,
 ) -> "CapturedStep":
     """Return a step callable: ``step() -> Tensor`` clips the gradients of
     ``optimizer``'s parameters by their global norm and runs ``optimizer.step()``,
@@ -124,6 +125,13 @@ def capture(
     (``"first"``) or every replay (``"always"``); gradient addresses are compared
     every replay. ``max_recaptures``: re-captures (hyper-parameter, state or
     gradient-address changes) after which the step stays eager, with a warning.
+    ``fold_clip`` (fused Adam/AdamW with ``max_norm`` only): apply the clip
+    coefficient inside the fused kernel (as its ``grad_scale``, dividing by
+    ``1 / coefficient``) instead of a separate pass over every gradient: one
+    read and write of all gradients fewer per step (1.6 ms at W2 on 2 H200s).
+    Not bitwise equal to eager clipping when clipping is active (a division by the
+    reciprocal, not a multiplication; parameters agree to about 1e-7 relative), and
+    ``param.grad`` is left unclipped after the step.
 
     The call returns the global norm as a new 0-dim tensor (a plain tensor, the same
     value on every rank) on the parameters' device."""
@@ -147,6 +155,18 @@ def capture(
         raise ValueError(f"graphcomp.optim.capture: check_static_inputs must be 'first' or 'always', got {check_static_inputs!r}")
     if isinstance(max_recaptures, bool) or not isinstance(max_recaptures, int) or max_recaptures < 0:
         raise ValueError(f"graphcomp.optim.capture: max_recaptures must be an int >= 0, got {max_recaptures!r}")
+    if not isinstance(fold_clip, bool):
+        raise ValueError(f"graphcomp.optim.capture: fold_clip must be True or False, got {fold_clip!r}")
+    if fold_clip:
+        fused = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
+            g.get("fused") for g in optimizer.param_groups)
+        if not fused:
+            raise ValueError(f"graphcomp.optim.capture: fold_clip=True needs a fused Adam or AdamW (fused=True), whose "
+                             f"kernel takes the coefficient as grad_scale; got {type(optimizer).__name__} with fused="
+                             f"{[g.get('fused') for g in optimizer.param_groups]}")
+        if max_norm is None:
+            raise ValueError("graphcomp.optim.capture: fold_clip=True needs max_norm (there is no clip coefficient to fold)")
     return CapturedStep(optimizer, max_norm=None if max_norm is None else float(max_norm), norm_type=float(norm_type),
                         error_if_nonfinite=error_if_nonfinite, skip_nonfinite=skip_nonfinite, foreach=foreach,
-                        cudagraphs=cudagraphs, check_always=check_static_inputs == "always", max_recaptures=max_recaptures)
+                        cudagraphs=cudagraphs, check_always=check_static_inputs == "always", max_recaptures=max_recaptures,
+                        fold_clip=fold_clip)

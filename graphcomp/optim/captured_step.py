@@ -45,9 +45,11 @@ class CapturedStep:
     ``last_norm``, overwritten by the next step) may run instead of ``step()``."""
 
     def __init__(self, opt: torch.optim.Optimizer, *, max_norm: float | None, norm_type: float, error_if_nonfinite: bool,
-                 skip_nonfinite: bool, foreach: bool | None, cudagraphs: str, check_always: bool, max_recaptures: int):
+                 skip_nonfinite: bool, foreach: bool | None, cudagraphs: str, check_always: bool, max_recaptures: int,
+                 fold_clip: bool = False):
         self.opt = opt
         self.max_norm, self.norm_type, self.foreach = max_norm, norm_type, foreach
+        self.fold_clip = fold_clip
         self.error_if_nonfinite, self.skip = error_if_nonfinite, skip_nonfinite or error_if_nonfinite
         # how a captured step skips a non-finite update on the device: a conditional (IF)
         # graph node, or the fused optimizer's own found_inf (see _static_reason)
@@ -257,9 +259,7 @@ class CapturedStep:
             self._norm.copy_(local)
 
             def update() -> None:
-                if self.max_norm is not None:
-                    nn_utils.clip_grads_with_norm_(self._step_params, self.max_norm, total, self.foreach)
-                self.opt.step()
+                self._clip_and_step(self._step_params, total)
 
             if self.skip:
                 self._finite.copy_(torch.isfinite(local))
@@ -314,9 +314,27 @@ class CapturedStep:
         if self.skip and not bool(torch.isfinite(local)):
             SESSION.counters.add("optimizer_steps_skipped_nonfinite")
             return
-        if self.max_norm is not None:
-            nn_utils.clip_grads_with_norm_(params, self.max_norm, total, self.foreach)
-        self.opt.step()
+        self._clip_and_step(params, total)
+
+    def _clip_and_step(self, params: list[torch.Tensor], total: torch.Tensor) -> None:
+        """``clip_grads_with_norm_`` + ``opt.step()``; with ``fold_clip`` the fused
+        kernel divides each gradient by ``1 / clip coefficient`` (its ``grad_scale``,
+        as for torch.amp's GradScaler) instead of a separate pass multiplying them:
+        the same coefficient as ``clip_grads_with_norm_`` (``max_norm / (norm + 1e-6)``,
+        at most 1); the kernel stores the scaled gradients, as clipping leaves them."""
+        if self.max_norm is None:
+            self.opt.step()
+            return
+        if not self.fold_clip:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total, self.foreach)
+            self.opt.step()
+            return
+        coef = torch.clamp(self.max_norm / (_compat.dtensor_local(total) + 1e-6), max=1.0)
+        self.opt.grad_scale = torch.reciprocal(coef).to(torch.float32)
+        try:
+            self.opt.step()
+        finally:
+            del self.opt.grad_scale
 
     # ------------------------------------------------------------ capture
     def _local_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -249,8 +249,10 @@ def schedule(opt):
 
 
 def train_pair(cls, kw, steps=STEPS, max_norm=1.0, set_to_none=False, nan_step=NAN_STEP, rank=0, hold=None,
-               norm_type=2.0, groups=False, sharded=True, **capture_kw):
-    """The captured step and the eager reference, on the same gradients, step by step."""
+               norm_type=2.0, groups=False, sharded=True, check=None, **capture_kw):
+    """The captured step and the eager reference, on the same gradients, step by step
+    (``check(m, o, rm, ro)`` after each step: default bitwise, ``assert_same``)."""
+    check = check or assert_same
     m, o = make(0, cls, kw, groups=groups, sharded=sharded)
     rm, ro = make(0, cls, kw, groups=groups, sharded=sharded)
     sched, rsched = schedule(o), schedule(ro)
@@ -261,7 +263,7 @@ def train_pair(cls, kw, steps=STEPS, max_norm=1.0, set_to_none=False, nan_step=N
         backward(m, s, rank, nan=s == nan_step, bad=float("inf") if norm_type == float("inf") else float("nan"))
         copy_grads(m, rm)
         norms.append((step(), reference_step(ro, max_norm, lrs, norm_type)))
-        assert_same(m, o, rm, ro)
+        check(m, o, rm, ro)
         if hold is not None:
             hold.append([p.grad for p in m.parameters()])  # old gradients kept alive: new ones move
         o.zero_grad(set_to_none=set_to_none)

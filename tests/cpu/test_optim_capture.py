@@ -318,3 +318,52 @@ def test_parameter_with_a_late_first_gradient(pg1, dev):
     c = graphcomp.counters
     assert c["optimizer_steps_eager"] == 2 and c["optimizer_captures"] == 2
     assert any("set of parameters with a gradient changed" in d for d in step.decisions)
+
+
+# ------------------------------------------------------------ fold_clip
+def _close(m1, o1, m2, o2):
+    """Parameters and state within rounding of the reference (fold_clip divides by the
+    reciprocal of the clip coefficient where the reference multiplies by it)."""
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(_local(a), _local(b), rtol=1e-5, atol=1e-7, msg=n)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for k, v in o1.state[p1].items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(_local(v).float(), _local(o2.state[p2][k]).float(), rtol=1e-4, atol=1e-9)
+
+
+def test_fold_clip_matches_eager_clipping_and_leaves_the_gradients(pg1, dev):
+    """fold_clip=True: the clip coefficient goes into fused AdamW's grad_scale (no pass
+    multiplying the gradients). Clipping is active every step here (gradients x50):
+    parameters and state stay within rounding of torch's clip_grad_norm_ + step, the
+    non-finite step is still skipped, and param.grad holds the clipped gradients
+    afterwards (the fused kernel stores what it divided), as after clip_grad_norm_."""
+    step, norms, (m, o, rm, ro) = train_pair(torch.optim.AdamW, dict(lr=1e-2, fused=True, weight_decay=0.1),
+                                             check=_close, fold_clip=True)
+    for got, ref in norms:
+        assert torch.equal(got, ref) or (got.isnan() and ref.isnan())
+        assert got.isnan() or float(got) > 1.0  # (clipping was active)
+    assert step.sync_counters() == 1 and graphcomp.counters["optimizer_steps_skipped_nonfinite"] == 1
+    assert step.mode == "captured"
+    backward(m, 99)
+    raw = [_local(p.grad).clone() for p in m.parameters()]
+    norm = step()
+    coef = 1.0 / (float(norm) + 1e-6)
+    for p, g in zip(m.parameters(), raw):  # the fused kernel stores the scaled gradients, as clipping does
+        torch.testing.assert_close(_local(p.grad), g * coef, rtol=1e-6, atol=0)
+
+
+def test_fold_clip_is_bitwise_when_nothing_is_clipped(pg1, dev):
+    """A coefficient of 1 is a grad_scale of exactly 1: the same numbers as eager."""
+    train_pair(torch.optim.AdamW, dict(lr=1e-2, fused=True), max_norm=1e9, fold_clip=True)
+
+
+def test_fold_clip_needs_fused_adam_and_max_norm(pg1):
+    m, o = make(0, torch.optim.AdamW, dict(lr=1e-2))
+    with pytest.raises(ValueError, match=r"fold_clip=True needs a fused Adam or AdamW"):
+        gopt.capture(o, max_norm=1.0, fold_clip=True)
+    m, o = make(0, torch.optim.AdamW, dict(lr=1e-2, fused=True))
+    with pytest.raises(ValueError, match=r"fold_clip=True needs max_norm"):
+        gopt.capture(o, fold_clip=True)
+    with pytest.raises(ValueError, match=r"fold_clip must be True or False, got 'yes'"):
+        gopt.capture(o, max_norm=1.0, fold_clip="yes")
