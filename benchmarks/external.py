@@ -342,6 +342,8 @@ def build_graphcomp_fold_clip(ctx: Ctx) -> Built:
     multiplying every gradient."""
     if ctx.device.type != "cuda":
         raise NotRun("fold_clip needs the captured optimizer's fused AdamW (CUDA)")
+    if ctx.tp > 1:
+        raise NotRun("fold_clip is an option of the captured optimizer, which --tp runs do not use")
     return build_graphcomp(ctx, fold_clip=True)
 
 

@@ -108,10 +108,10 @@ class _Exchange(torch.autograd.Function):
 def lookup(mod: nn.Embedding, ids: torch.Tensor, rank: int, group_name: str) -> torch.Tensor:
     """``mod(ids)`` by token exchange over ``group_name`` (the exchange group: the same
     ranks as the weight's, see ``graphcomp.sharding._exchange_group``)."""
-    from .shard_layout import _dtensor_cls
+    from .shard_layout import _INFO_ATTR, _dtensor_cls
 
     param = mod._parameters["weight"]
-    info = mod.__dict__["_graphcomp_shard_info"]["weight"]
+    info = mod.__dict__[_INFO_ATTR]["weight"]
     local = param.to_local() if isinstance(param, _dtensor_cls()) else param
     return _Exchange.apply(ids, local, rank, info.chunk, info.param_dtype, info.reduce_dtype, group_name,
                            info.world_size, mod.padding_idx)

@@ -337,26 +337,12 @@ def shard(
         infos[pname] = info
         mod._parameters[pname] = newp
 
-    owners_of: dict[int, int] = {}  # original parameter -> modules owning it (tied: more than one)
-    weight_of: dict[int, int] = {}  # module -> its original "weight" parameter
-    for _, mod, pname, p in owners:
-        owners_of[id(p)] = owners_of.get(id(p), 0) + 1
-        if pname == "weight":
-            weight_of[id(mod)] = id(p)
     exchanging, xname = [], None
     for mod, infos in per_module.values():
         mod.__dict__[_INFO_ATTR] = infos
         exchange = False
         if embedding == "exchange" and "weight" in infos:
-            why = embedding_exchange.applies(mod, type(mod))
-            if why is None and two_d:
-                why = "2-D (tensor-parallel) sharding"
-            if why is None and world < 2:
-                why = "a group of one rank"
-            if why is None and owners_of.get(weight_of.get(id(mod), 0), 0) > 1:
-                why = "its weight is tied to another module's parameter"
-            if why is None and dist.get_world_size(group) != dist.get_world_size():
-                why = "sharded over a subgroup (its exchange group would need every rank of the job to create it)"
+            why = _exchange_refusal(mod, infos["weight"], per_module, two_d, group)
             exchange = why is None
             if exchange:
                 if xname is None:
@@ -383,6 +369,22 @@ def shard(
     return model
 
 
+def _exchange_refusal(mod: nn.Module, info: ShardInfo, per_module: dict[int, tuple[nn.Module, dict[str, ShardInfo]]],
+                      two_d: bool, group: Any) -> str | None:
+    """Why ``mod``'s weight (``info``) cannot use ``embedding="exchange"``, or None.
+    A tied weight is one ShardInfo in more than one module."""
+    why = embedding_exchange.applies(mod, type(mod))
+    if why is None and two_d:
+        why = "2-D (tensor-parallel) sharding"
+    if why is None and info.world_size < 2:
+        why = "a group of one rank"
+    if why is None and sum(i is info for _, infos in per_module.values() for i in infos.values()) > 1:
+        why = "its weight is tied to another module's parameter"
+    if why is None and dist.get_world_size(group) != dist.get_world_size():
+        why = "sharded over a subgroup (its exchange group would need every rank of the job to create it)"
+    return why
+
+
 def _exchange_group(group: Any, device: torch.device) -> str:
     """A group of the same ranks as ``group`` for ``embedding="exchange"``'s collectives
     (on their own group, the passes tell them from parameter collectives:
@@ -395,8 +397,7 @@ def _exchange_group(group: Any, device: torch.device) -> str:
     xg = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
     if device.type == "cpu":
         xg = gloo_groups.serial_group(xg)
-    dev = device if device.type != "cpu" else torch.device("cpu")
-    dist.all_reduce(torch.zeros(1, device=dev), group=xg)
+    dist.all_reduce(torch.zeros(1, device=device), group=xg)
     name = _compat.process_group_name(xg)
     SESSION.exchange_groups.add(name)
     return name

@@ -90,7 +90,7 @@ import math
 
 import torch
 
-from .captured_step import SUPPORTED, CapturedStep
+from .captured_step import SUPPORTED, CapturedStep, fused_adam
 
 __all__ = ["SUPPORTED", "CapturedStep", "capture"]
 
@@ -130,8 +130,9 @@ def capture(
     ``1 / coefficient``) instead of a separate pass over every gradient: one
     read and write of all gradients fewer per step (1.6 ms at W2 on 2 H200s).
     Not bitwise equal to eager clipping when clipping is active (a division by the
-    reciprocal, not a multiplication; parameters agree to about 1e-7 relative), and
-    ``param.grad`` is left unclipped after the step.
+    reciprocal, not a multiplication; parameters agree to rounding), bitwise when it
+    is not (a scale of exactly 1). ``param.grad`` holds the clipped gradients after
+    the step, as after ``clip_grad_norm_`` (the kernel stores them).
 
     The call returns the global norm as a new 0-dim tensor (a plain tensor, the same
     value on every rank) on the parameters' device."""
@@ -158,9 +159,7 @@ def capture(
     if not isinstance(fold_clip, bool):
         raise ValueError(f"graphcomp.optim.capture: fold_clip must be True or False, got {fold_clip!r}")
     if fold_clip:
-        fused = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
-            g.get("fused") for g in optimizer.param_groups)
-        if not fused:
+        if not fused_adam(optimizer):
             raise ValueError(f"graphcomp.optim.capture: fold_clip=True needs a fused Adam or AdamW (fused=True), whose "
                              f"kernel takes the coefficient as grad_scale; got {type(optimizer).__name__} with fused="
                              f"{[g.get('fused') for g in optimizer.param_groups]}")

@@ -37,6 +37,12 @@ def _replicated(total: torch.Tensor) -> torch.Tensor:
         total = total.redistribute(total.device_mesh, [Replicate()] * total.device_mesh.ndim)
     return total
 
+def fused_adam(opt: torch.optim.Optimizer) -> bool:
+    """A fused Adam/AdamW (every group ``fused=True``): its kernel takes ``found_inf``
+    and ``grad_scale``, as torch.amp's GradScaler passes them."""
+    return type(opt) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in opt.param_groups)
+
+
 class CapturedStep:
     """The callable :func:`capture` returns. ``step()`` runs one clip + optimizer
     step and returns the global norm. For sequences of graph replays without Python
@@ -124,8 +130,7 @@ class CapturedStep:
     def _fused_found_inf(self) -> bool:
         """A fused Adam/AdamW skips a step on the device by itself when given
         ``found_inf`` (as torch.amp's GradScaler does): no conditional node needed."""
-        opt = self.opt
-        return type(opt) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in opt.param_groups)
+        return fused_adam(self.opt)
 
     def _fall_back(self, why: str, warn: bool = True) -> None:
         if self.require:
