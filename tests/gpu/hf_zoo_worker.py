@@ -16,6 +16,8 @@ traceback). Modes:
   end, the pieces and their reasons, every warning.
 
 ``GC_ZOO_SIZE`` picks the size (``benchmarks.hf_models.SIZES``; default ``gpu-tiny``).
+``GC_ZOO_EMBEDDING`` is ``graphcomp.shard``'s ``embedding`` (default ``gather``); the
+result's ``exchanged`` lists the embeddings that exchange tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ BF16_STEPS = 20
 WARM = 4  # counters must not move after this many bf16 steps
 BATCH, SEQ = 2, 64  # per rank
 DEV = os.environ.get("GC_ZOO_DEVICE", "cuda")  # "cpu" (gloo) to check the worker itself
+EMBEDDING = os.environ.get("GC_ZOO_EMBEDDING", "gather")  # shard(embedding=...)
 CG_COUNTERS = ("cudagraph_fallbacks", "recaptures", "hazard_recaptures", "captures", "replays",
                "pieces_captured", "pieces_eager", "capture_failures", "pieces_turned_eager")
 
@@ -81,6 +84,11 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _exchanged(model: torch.nn.Module) -> list[str]:
+    """The embeddings that exchange tokens (``shard(embedding="exchange")``), by module name."""
+    return [n for n, mod in model.named_modules() if "_graphcomp_exchange" in mod.__dict__]
+
+
 def _global_batches(model, steps, world, seed0=0):
     return [zoo.make_batch(model, BATCH * world, SEQ, seed=seed0 + s, device=DEV) for s in range(steps)]
 
@@ -104,7 +112,7 @@ def run_parity(family: str, rank: int, world: int) -> dict:
     del ref, opt
 
     m = zoo.build_model(family, size, seed=0, device=DEV, dropout=0.0)
-    graphcomp.shard(m)
+    graphcomp.shard(m, embedding=EMBEDDING)
     opt = torch.optim.SGD(m.parameters(), lr=LR)
     cm = torch.compile(m, backend="graphcomp")
     losses, g1 = [], {}
@@ -140,14 +148,14 @@ def run_parity(family: str, rank: int, world: int) -> dict:
         "param_max_rel": max(param_rel.values()) if param_rel else None,
         "worst_grad": max(grad_rel, key=grad_rel.get) if grad_rel else None,
         "worst_param": max(param_rel, key=param_rel.get) if param_rel else None,
-        "counters": _counters(),
+        "counters": _counters(), "exchanged": _exchanged(m),
     }
 
 
 def run_bf16(family: str, rank: int, world: int) -> dict:
     size = os.environ.get("GC_ZOO_SIZE", "gpu-tiny")
     m = zoo.build_model(family, size, seed=0, device=DEV)  # the family's default dropout
-    graphcomp.shard(m, param_dtype=torch.bfloat16)
+    graphcomp.shard(m, param_dtype=torch.bfloat16, embedding=EMBEDDING)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     cm = torch.compile(m, backend="graphcomp")
     losses, warm, times = [], None, []
@@ -169,7 +177,7 @@ def run_bf16(family: str, rank: int, world: int) -> dict:
     return {
         "losses": losses, "step_seconds": times, "counters_warm": warm, "counters_end": end,
         "after_warmup": {k: end.get(k, 0) - (warm or {}).get(k, 0) for k in CG_COUNTERS},
-        "finite": all(x == x and abs(x) < 1e4 for x in losses),
+        "finite": all(x == x and abs(x) < 1e4 for x in losses), "exchanged": _exchanged(m),
     }
 
 

@@ -34,7 +34,8 @@ run() {  # name timeout_s cmd...
   tail -n 25 "$OUT/$name.log"
 }
 GC_ZOO_OUT="$OUT/zoo" run zoo ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 1gpu
-GC_ZOO_OUT="$OUT/zoo2" run zoo2 ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 2gpu
+GC_ZOO_OUT="$OUT/zoo2" run zoo2 ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k "2gpu and not exchange"
+GC_ZOO_OUT="$OUT/exch2" run exch2 ${EXCH2_T:-240} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k exchange
 run cudagraphs ${CG_T:-480} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py
 run cg2 ${CG2_T:-240} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k "2]"
 run sharding 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_sharding_nccl.py
@@ -52,7 +53,7 @@ GRAPHCOMP_GPU_RESULTS="$OUT" run soak2 ${SOAK2_T:-560} python -m pytest -q -p no
 GRAPHCOMP_GPU_RESULTS="$OUT" run diverge 300 python -m pytest -q -p no:cacheprovider tests/gpu/test_divergence_gpu.py
 GRAPHCOMP_GPU_RESULTS="$OUT" run wholestep ${WS_T:-540} python -m pytest -q -p no:cacheprovider tests/gpu/test_step_capture_gpu.py
 GRAPHCOMP_GPU_RESULTS="$OUT" run tp ${TP_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
-for z in zoo zoo2; do [ -d "$OUT/$z" ] && tar czf "$OUT/$z.tgz" -C "$OUT" "$z" && rm -rf "$OUT/$z"; done
+for z in zoo zoo2 exch2; do [ -d "$OUT/$z" ] && tar czf "$OUT/$z.tgz" -C "$OUT" "$z" && rm -rf "$OUT/$z"; done
 # the device tool returns a limited number of files: one archive for the JSON and the archives
 ( cd "$OUT" && f=$(ls *.json *.tgz 2>/dev/null; true) && [ -n "$f" ] && tar czf results.tar.gz $f && rm -f $f )
 ls -la "$OUT"

@@ -62,3 +62,46 @@ def test_bf16_training_reaches_cuda_graph_steady_state(zoo_results, family):
     assert end.get("pieces_captured", 0) > 0 and end.get("replays", 0) > 0, end
     if family != "mixtral-eager":
         assert end.get("pieces_turned_eager", 0) == 0, (family, end, d["warnings"])
+
+
+# shard(embedding="exchange") on 2 GPUs: Llama's embed_tokens exchanges tokens; GPT-2's
+# wte is tied to lm_head and stays gathered, its position embedding wpe exchanges.
+EXCHANGED = {"llama": ["model.embed_tokens"], "gpt2": ["transformer.wpe"]}
+
+
+@pytest.fixture(scope="module")
+def exchange_results(tmp_path_factory):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = os.environ.get("GC_ZOO_OUT")
+    out = os.path.join(base, "zoo2-exchange") if base else str(tmp_path_factory.mktemp("zoo2-exchange"))
+    os.makedirs(out, exist_ok=True)
+    jobs = [(f, m) for f in EXCHANGED for m in ("parity", "bf16")]
+    with ThreadPoolExecutor(4) as ex:
+        res = list(ex.map(lambda j: run_job(j[0], j[1], out, 2, 420, {"GC_ZOO_EMBEDDING": "exchange"}), jobs))
+    return {(r["family"], r["mode"]): r for r in res}
+
+
+@pytest.mark.parametrize("family", sorted(EXCHANGED))
+def test_embedding_exchange_parity_2gpu(exchange_results, family):
+    r = exchange_results[(family, "parity")]
+    d = r.get("result", {})
+    assert d.get("ok"), f"{family}: {d.get('error')}\n{d.get('traceback', '')[-3000:]}\nlog: {r['log']}"
+    assert d["exchanged"] == EXCHANGED[family], d["exchanged"]
+    assert d["loss_max_rel"] <= LOSS and d["grad_max_rel"] <= GRAD and d["param_max_rel"] <= PARAM, d
+    assert d["counters"].get("captures", 0) > 0 and d["counters"].get("capture_failures", 0) == 0, d["counters"]
+
+
+@pytest.mark.parametrize("family", sorted(EXCHANGED))
+def test_embedding_exchange_bf16_steady_state_2gpu(exchange_results, family):
+    r = exchange_results[(family, "bf16")]
+    d = r.get("result", {})
+    assert d.get("ok"), f"{family}: {d.get('error')}\n{d.get('traceback', '')[-3000:]}\nlog: {r['log']}"
+    assert d["exchanged"] == EXCHANGED[family], d["exchanged"]
+    assert d["finite"], d["losses"]
+    a = d["after_warmup"]
+    assert a["cudagraph_fallbacks"] == 0 and a["recaptures"] == 0 and a["hazard_recaptures"] == 0, (family, a, d["warnings"])
+    end = d["counters_end"]
+    assert end.get("pieces_captured", 0) > 0 and end.get("pieces_turned_eager", 0) == 0, (family, end, d["warnings"])
