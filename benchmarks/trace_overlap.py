@@ -16,6 +16,13 @@ and total time, and the last compute kernel that started before it: the
 places a schedule leaves communication uncovered (W2 on 2 H200s, 873d921: the
 forward's first gather, the LM-head gather, the head gradient's reduce-scatter
 ahead of the backward's first gather, the last reduce-scatter).
+
+``--kernels [--steps N] [--top K]`` sums the GPU time (kernels, copies, memsets)
+per category (matmul, attention, Triton pointwise / reduction / template, ATen
+elementwise and reductions, copies, optimizer, NCCL, other), divided by ``--steps``
+(the trace's profiled steps: ``benchmarks.run`` profiles 3), with the GPU's busy
+time (union of all its work) and the ``K`` kernels taking the most time: where a
+GPU-bound step's time goes.
 """
 
 from __future__ import annotations
@@ -43,6 +50,63 @@ def _kernels(path: str) -> list[dict]:
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
     return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+
+
+def _gpu_work(path: str) -> list[dict]:
+    """Kernels, device copies and memsets, by start."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    return sorted((e for e in events if e.get("cat") in cats and "dur" in e), key=lambda e: e["ts"])
+
+
+# (category, substrings of the lowercased name), first match wins
+CATEGORIES = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "ampere_", "splitk")),
+    ("optimizer", ("multi_tensor_apply", "fused_adam", "adam")),
+    ("triton pointwise", ("triton_poi",)),
+    ("triton reduction", ("triton_red", "triton_per")),
+    ("triton template", ("triton_tem",)),
+    ("triton other", ("triton",)),
+    ("copy", ("memcpy", "copy", "catarray", "cat_", "split_with_sizes", "chunk_cat")),
+    ("memset", ("memset",)),
+    ("aten reduction", ("reduce_kernel", "reduce")),
+    ("aten elementwise", ("elementwise", "vectorized", "unrolled", "index", "scatter", "gather")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def kernel_breakdown(path: str, steps: int = 1) -> dict:
+    """GPU time per category per step (ms), the busy time (union of all GPU work) and
+    the per-name totals."""
+    work = _gpu_work(path)
+    by_cat: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}
+    for e in work:
+        c = by_cat.setdefault(category(e["name"]), [0, 0.0])
+        c[0] += 1
+        c[1] += e["dur"]
+        n = by_name.setdefault(e["name"], [0, 0.0])
+        n[0] += 1
+        n[1] += e["dur"]
+    busy = sum(t - s for s, t in _merge([(e["ts"], e["ts"] + e["dur"]) for e in work]))
+    span = (max(e["ts"] + e["dur"] for e in work) - work[0]["ts"]) if work else 0.0
+    per = 1e3 * steps
+    return {"steps": steps, "busy_ms": busy / per, "span_ms": span / per,
+            "categories": {k: {"count": v[0] / steps, "ms": v[1] / per}
+                           for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][1])},
+            "names": {k: {"count": v[0] / steps, "ms": v[1] / per}
+                      for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])}}
 
 
 def _is_nccl(e: dict) -> bool:
@@ -103,6 +167,26 @@ def overlap_report(path: str) -> dict[str, dict[str, float]]:
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         raise SystemExit(__doc__)
+    if argv[0] == "--kernels":
+        argv, steps, top = argv[1:], 1, 15
+        while argv[:1] in (["--steps"], ["--top"]):
+            if len(argv) < 2:
+                raise SystemExit(f"{argv[0]} needs a number")
+            steps, top = (int(argv[1]), top) if argv[0] == "--steps" else (steps, int(argv[1]))
+            argv = argv[2:]
+        if steps < 1:
+            raise SystemExit(f"--steps {steps}: must be >= 1")
+        for path in argv:
+            r = kernel_breakdown(path, steps)
+            total = sum(c["ms"] for c in r["categories"].values())
+            print(f"{path}: per step (of {steps}): GPU busy {r['busy_ms']:.2f} ms of a {r['span_ms']:.2f} ms span; "
+                  f"kernel time {total:.2f} ms (streams overlap)")
+            for k, c in r["categories"].items():
+                print(f"  {k:<18} {c['ms']:8.2f} ms  {100 * c['ms'] / total if total else 0:5.1f}%  {c['count']:7.1f} kernels")
+            print(f"  top {top} kernels:")
+            for k, c in list(r["names"].items())[:top]:
+                print(f"  {c['ms']:8.3f} ms  x{c['count']:<6.1f} [{category(k)}] {k[:100]}")
+        return
     if argv[0] == "--exposed":
         argv, min_us = argv[1:], 100.0
         if argv[:1] == ["--min-us"]:

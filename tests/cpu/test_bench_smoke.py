@@ -285,6 +285,37 @@ def test_trace_overlap_measures_collective_time_under_compute(tmp_path):
     assert [x["name"][:22] for x in exposed_kernels(str(p), min_us=45)] == ["ncclDevKernel_ReduceSc"]
 
 
+def test_trace_kernel_breakdown_by_category(tmp_path, capsys):
+    from benchmarks.trace_overlap import category, kernel_breakdown, main
+
+    k = lambda name, ts, dur, cat="kernel": {"cat": cat, "name": name, "ts": ts, "dur": dur, "ph": "X"}  # noqa: E731
+    events = [
+        k("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT", 0, 40), k("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT", 100, 40),
+        k("ncclDevKernel_AllGather_RING_LL", 10, 60),  # overlaps the matmul: busy is the union
+        k("triton_poi_fused_mul_silu_7", 50, 10), k("triton_red_fused_rsqrt_9", 70, 10),
+        k("Memcpy HtoD (Pinned -> Device)", 150, 6, "gpu_memcpy"), k("Memset (Device)", 160, 4, "gpu_memset"),
+        k("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 200, 20),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},  # not GPU work
+    ]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    r = kernel_breakdown(str(p), steps=2)
+    assert r["busy_ms"] == pytest.approx((80 + 40 + 6 + 4 + 20) / 2e3)
+    assert r["span_ms"] == pytest.approx(220 / 2e3)
+    cats = {c: v["ms"] for c, v in r["categories"].items()}
+    assert cats == pytest.approx({"matmul": 0.04, "nccl": 0.03, "attention": 0.01, "triton pointwise": 0.005,
+                                  "triton reduction": 0.005, "copy": 0.003, "memset": 0.002})
+    assert list(r["categories"])[0] == "matmul" and r["categories"]["matmul"]["count"] == 1.0
+    assert category("multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert category("split_with_sizes_copy_out_contiguous_no_cast_kernel") == "copy"
+    assert category("some_kernel") == "other"
+    main(["--kernels", "--steps", "2", "--top", "1", str(p)])
+    out = capsys.readouterr().out
+    assert "GPU busy 0.07 ms" in out and "matmul" in out and "top 1 kernels" in out
+    with pytest.raises(SystemExit, match="--steps 0"):
+        main(["--kernels", "--steps", "0", str(p)])
+
+
 def test_checkpointing_variants_and_memory_cap_arguments():
     import dataclasses
 
