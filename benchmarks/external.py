@@ -347,6 +347,20 @@ def build_graphcomp_fold_clip(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, fold_clip=True)
 
 
+def build_graphcomp_keep_params(ctx: Ctx) -> Built:
+    """graphcomp with ``reshard_after_forward=False``: every gathered parameter is kept
+    from the forward to the backward (no re-gather, no second cast and unpack), the
+    memory-for-speed end of ``schedule_free``."""
+    return build_graphcomp(ctx, options={"reshard_after_forward": False})
+
+
+def build_graphcomp_exchange_keep(ctx: Ctx) -> Built:
+    """``graphcomp-embedding_exchange`` and ``graphcomp-keep_params`` together."""
+    if ctx.tp > 1:
+        raise NotRun("embedding='exchange' applies to 1-D sharding only (--tp 1)")
+    return build_graphcomp(ctx, embedding="exchange", options={"reshard_after_forward": False})
+
+
 def make_ablation_builder(pass_name: str):
     def build(ctx: Ctx) -> Built:
         return build_graphcomp(ctx, disable=pass_name)
@@ -454,6 +468,8 @@ EXTERNAL_BUILDERS = {
     "graphcomp-except_last": build_graphcomp_except_last,
     "graphcomp-embedding_exchange": build_graphcomp_embedding_exchange,
     "graphcomp-fold_clip": build_graphcomp_fold_clip,
+    "graphcomp-keep_params": build_graphcomp_keep_params,
+    "graphcomp-exchange_keep": build_graphcomp_exchange_keep,
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,
 }
