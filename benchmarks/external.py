@@ -354,6 +354,12 @@ def build_graphcomp_keep_params(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"reshard_after_forward": False})
 
 
+def build_graphcomp_reshard_all(ctx: Ctx) -> Built:
+    """graphcomp with ``reshard_after_forward=True`` (the default before 2026-11-26's
+    "auto"): every gathered parameter resharded after the forward, least memory."""
+    return build_graphcomp(ctx, options={"reshard_after_forward": True})
+
+
 def build_graphcomp_exchange_keep(ctx: Ctx) -> Built:
     """``graphcomp-embedding_exchange`` and ``graphcomp-keep_params`` together."""
     if ctx.tp > 1:
@@ -469,6 +475,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-embedding_exchange": build_graphcomp_embedding_exchange,
     "graphcomp-fold_clip": build_graphcomp_fold_clip,
     "graphcomp-keep_params": build_graphcomp_keep_params,
+    "graphcomp-reshard_all": build_graphcomp_reshard_all,
     "graphcomp-exchange_keep": build_graphcomp_exchange_keep,
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,

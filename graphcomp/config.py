@@ -55,14 +55,18 @@ class Config:
     fewer, more efficient collectives but more memory held by gathered parameters
     early (a bucket is gathered at its first use). Must be >= 0; 0 disables bucketing."""
 
-    reshard_after_forward: bool | Literal["auto", "except_last"] = True
+    reshard_after_forward: bool | Literal["auto", "except_last"] = "auto"
     """Pass ``schedule_free``: whether a gathered parameter is released after its
     last use in forward and gathered again in backward. ``True``: reshard every
     gathered parameter (least memory, one more gather per parameter); ``False``:
     keep every gathered parameter for backward (no re-gather, most memory);
-    ``"auto"``: keep the parameters whose re-gather costs most per byte held
-    (small gathers: latency-bound) while the estimated peak of the joint graph
-    stays under ``memory_budget`` (without a budget, "auto" keeps everything);
+    ``"auto"`` (default): keep the parameters whose re-gather costs most per byte
+    held (small gathers: latency-bound; then in graph order) while the estimated
+    peak of the joint graph stays under ``memory_budget``; under the default budget
+    (``"auto"``) it also leaves room for the optimizer state outside the graph (2x
+    the parameter shards' bytes). So on CUDA the memory sharding saved buys the
+    backward's re-gathers back while it fits (W2 on 2 H100s: 3.4% faster, 2.4 GiB
+    more); without a budget (the CPU default) "auto" reshards everything;
     ``"except_last"``: reshard every gathered parameter but the gather (bucket) the
     backward reads first -- the last block's, which the backward would otherwise
     wait for at its very start with nothing to overlap; FSDP2 users get the same by

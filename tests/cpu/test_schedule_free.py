@@ -14,6 +14,7 @@ from _graphs import gather, run_pass, trace, world1_group
 from graphcomp import _compat, memory
 from graphcomp.graph_utils import is_target
 from graphcomp.sharding import _GatherParam
+from graphcomp.passes import schedule_free as sf
 from graphcomp.passes.schedule_free import choose_kept, gather_groups, is_post_op
 
 c10d = torch.ops._c10d_functional
@@ -200,10 +201,36 @@ def test_auto_infeasible_budget_warns_and_reshards_everything(caplog):
                for n in gm.graph.nodes if is_target(n, AG))
 
 
-def test_auto_without_budget_keeps_everything():
+def test_auto_without_budget_reshards_everything():
     gm = _joint_like([8, 8], [True, False])
     gm, rec = run_pass("schedule_free", gm, reshard_after_forward="auto")
-    assert rec.counts["gathers_kept"] == 2
+    assert rec.counts["gathers_kept"] == 0 and rec.counts["gathers_resharded"] == 2
+    assert any("without a memory budget" in n for n in rec.notes)
+
+
+def test_default_is_auto():
+    from graphcomp.config import Config
+
+    assert Config().reshard_after_forward == "auto"
+
+
+def test_auto_under_the_default_budget_leaves_room_for_optimizer_state(monkeypatch):
+    """memory_budget="auto" (0.9 of the device) keeps gathers only while the estimate
+    plus 2x the shards' bytes fits; an explicit budget of the same size keeps more."""
+    from graphcomp import memory
+
+    gm = _joint_like([8, 8], [True, True])
+    _, rec0 = run_pass("schedule_free", _joint_like([8, 8], [True, True]), reshard_after_forward=False)
+    full = rec0.counts["estimated_peak_bytes"]
+    groups = sf.gather_groups(gm, memory.backward_nodes(gm))
+    reserve = sf.optimizer_reserve(groups)
+    assert reserve == 2 * sum(memory.value_bytes(n) for n in sf.shard_inputs(groups)) > 0
+    monkeypatch.setattr(memory, "resolve_budget", lambda b, g: full if b == "auto" else int(b))
+    gm, rec = run_pass("schedule_free", gm, reshard_after_forward="auto", memory_budget="auto")
+    assert rec.counts["optimizer_reserve_bytes"] == reserve and rec.counts["gathers_kept"] < 2
+    gm2, rec2 = run_pass("schedule_free", _joint_like([8, 8], [True, True]), reshard_after_forward="auto",
+                         memory_budget=full)
+    assert rec2.counts["gathers_kept"] == 2 and "optimizer_reserve_bytes" not in rec2.counts
 
 
 def test_inference_graph_is_a_noop():
