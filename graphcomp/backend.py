@@ -58,6 +58,7 @@ class FrameCompiler:
         self.recompile = _compat.is_recompile()
         cid = _compat.dynamo_compile_id()
         self.code_id = None if cid is None else cid[0]  # Dynamo's id of the function compiled
+        self.plan.code_id = self.code_id
         if self.code_id is not None and graph_utils.has_symbolic_shapes(example_inputs):
             SESSION.shape_following_code.add(self.code_id)
         agreement.note_frame()

@@ -142,6 +142,10 @@ class FramePlan:
     no graphcomp graph (``docs/heap-corruption.md``). Tests and
     ``tests/stress/gloo_stress.py --prefetch-cpu on`` set it."""
 
+    code_id: int | None = None
+    """Dynamo's id of the function this frame compiles (the same for its recompiles);
+    None outside Dynamo (hand-built graphs)."""
+
     def stage_inputs(self, stage: str) -> StageInputs:
         return self.inputs.get(stage, StageInputs())
 

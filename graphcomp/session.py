@@ -13,6 +13,8 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
 * ``exchange_groups`` -- the groups of ``shard(embedding="exchange")``'s token
   exchange (kept by ``reset()``; not parameter collectives: the passes leave them alone);
 * ``shape_following_code`` -- Dynamo ids of functions compiled with dynamic shapes;
+* ``kept_gather_bytes`` -- gathered bytes each compiled function keeps for its backward
+  (``schedule_free``'s ``reshard_after_forward="auto"``);
 * ``agree_seq`` -- rank-agreement numbering (``graphcomp.agreement``; kept by ``reset()``);
 * ``runtime`` -- the CUDA-graph runtime (``graphcomp.runtime.manager.Runtime``: pool,
   capture stream, runners, ledger). The runtime package creates it and attaches it here
@@ -113,6 +115,11 @@ class Session:
         # shapes: every CUDA-graph piece of such a function, fixed-shape
         # specializations included, follows the data (CudaGraphRunner.follows_data)
         self.shape_following_code: set[int] = set()
+        # reshard_after_forward="auto" under the default budget: gathered bytes each
+        # compiled function (Dynamo code id, or "frame <id>") keeps from its forward to
+        # its backward; a function's keep decision leaves room for the others' (frames
+        # of one step hold theirs at the same time). Its recompiles replace its entry
+        self.kept_gather_bytes: dict[Any, int] = {}
         # where the backend writes its dumps (Config.dump_dir, rank): graphcomp.runtime's
         # teardown writes the run-time record (captured steps, counters) there too
         self.dump_target: tuple[str, int] | None = None
@@ -128,6 +135,7 @@ class Session:
         self.frames.clear()
         self.scopes.clear()
         self.shape_following_code.clear()
+        self.kept_gather_bytes.clear()
         self.dump_target = None
         if self.runtime is not None:
             self.runtime.reset()

@@ -26,7 +26,9 @@ gathers first; ties in graph order) while the static memory model
 (``graphcomp.memory``) of the joint graph stays under ``Config.memory_budget``;
 under the default budget (``"auto"``: 0.9 of a CUDA device's memory) less
 ``OPTIMIZER_STATE_FACTOR`` times the gathered shards' bytes, room for the
-optimizer state that lives outside the graph. Without a budget (the CPU default)
+optimizer state that lives outside the graph, and less the gathered bytes other
+compiled functions keep (``SESSION.kept_gather_bytes``: the frames of a step with
+graph breaks hold theirs at the same time; a recompile replaces its function's). Without a budget (the CPU default)
 "auto" reshards everything. An infeasible budget (over it even with everything
 resharded) logs a warning, is recorded, and reshards everything. A kept gather
 costs its gathered bytes from the forward to the backward and saves the
@@ -71,6 +73,7 @@ from graphcomp import _compat, memory
 from graphcomp import graph_utils as gu
 from graphcomp.ops import OPS
 from graphcomp.pipeline import PassContext, PassResult, register_pass
+from graphcomp.session import SESSION
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -277,14 +280,22 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                      "the memory left, so every gathered parameter is resharded")
             est = memory.estimate(gm, set().union(*(g.roots() for g in groups)), bwd)
         else:
-            reserve = optimizer_reserve(groups) if ctx.config.memory_budget == "auto" else 0
-            kept, est, reason = choose_kept(gm, groups, budget - reserve, ctx)
+            default_budget = ctx.config.memory_budget == "auto"
+            key = ctx.frame.code_id if ctx.frame.code_id is not None else f"frame {ctx.frame_id}"
+            reserve = others = 0
+            if default_budget:  # room for what the default budget cannot see
+                reserve = optimizer_reserve(groups)
+                others = sum(b for k, b in SESSION.kept_gather_bytes.items() if k != key)
+            kept, est, reason = choose_kept(gm, groups, budget - reserve - others, ctx)
             ctx.count("budget_bytes", budget)
-            if reserve:
+            if default_budget:
+                SESSION.kept_gather_bytes[key] = sum(groups[i].held_bytes for i in kept)
                 ctx.count("optimizer_reserve_bytes", reserve)
+                ctx.count("other_frames_kept_bytes", others)
                 ctx.note(f"reshard_after_forward='auto': {len(kept)} of {len(groups)} gathered parameters kept for "
                          f"the backward under memory_budget='auto' ({budget} bytes) less {reserve} bytes left for "
-                         f"optimizer state ({OPTIMIZER_STATE_FACTOR}x the parameter shards)")
+                         f"optimizer state ({OPTIMIZER_STATE_FACTOR}x the parameter shards) and {others} bytes "
+                         f"other compiled functions keep")
         if reason is not None:
             log.warning("graphcomp schedule_free (frame %s): %s", ctx.frame_id, reason)
             ctx.note(reason)

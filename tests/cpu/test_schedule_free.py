@@ -233,6 +233,28 @@ def test_auto_under_the_default_budget_leaves_room_for_optimizer_state(monkeypat
     assert rec2.counts["gathers_kept"] == 2 and "optimizer_reserve_bytes" not in rec2.counts
 
 
+def test_auto_under_the_default_budget_leaves_room_for_other_frames(monkeypatch):
+    """Two compiled functions (graph breaks) hold their kept gathers at the same time:
+    the second's decision sees the first's; a recompile of the first replaces its own."""
+    from graphcomp import memory
+    from graphcomp.session import SESSION
+
+    g = lambda: _joint_like([8, 8], [True, True])  # noqa: E731
+    _, rec0 = run_pass("schedule_free", g(), reshard_after_forward=False)
+    groups = sf.gather_groups(g(), None)
+    budget = rec0.counts["estimated_peak_bytes"] + sf.optimizer_reserve(groups)
+    monkeypatch.setattr(memory, "resolve_budget", lambda b, gm: budget)
+    _, a = run_pass("schedule_free", g(), code_id=1, reshard_after_forward="auto", memory_budget="auto")
+    assert a.counts["gathers_kept"] == 2 and a.counts["other_frames_kept_bytes"] == 0
+    held = SESSION.kept_gather_bytes[1]
+    assert held == sum(x.held_bytes for x in groups) > 0
+    _, b = run_pass("schedule_free", g(), code_id=2, reshard_after_forward="auto", memory_budget="auto")
+    assert b.counts["other_frames_kept_bytes"] == held and b.counts["gathers_kept"] < 2
+    _, a2 = run_pass("schedule_free", g(), code_id=1, reshard_after_forward="auto", memory_budget="auto")
+    assert a2.counts["other_frames_kept_bytes"] == SESSION.kept_gather_bytes[2] < held
+    assert a2.counts["gathers_kept"] >= b.counts["gathers_kept"]
+
+
 def test_inference_graph_is_a_noop():
     gm = trace(lambda s, x: x @ gather(s, 2, "g", shape=(4, 4)), torch.randn(2, 4), torch.randn(3, 4))
     gm, rec = run_pass("schedule_free", gm)
