@@ -287,6 +287,62 @@ def test_property_auto_budget(sizes, uses, frac):
     assert kept2 == kept
 
 
+def _greedy_one_by_one(gm, groups, budget):
+    """The plain greedy choose_kept implements with fewer estimates."""
+    bwd = memory.backward_nodes(gm)
+    roots = [g.roots() for g in groups]
+    reshard, kept = set().union(*roots), set()
+    for i in sorted(range(len(groups)), key=lambda i: (-sf.regather_cost_per_byte(groups[i]), i)):
+        if memory.estimate(gm, reshard - roots[i], bwd).peak_bytes <= budget:
+            kept.add(i)
+            reshard = reshard - roots[i]
+    return kept
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.sampled_from([8, 16, 64]), min_size=1, max_size=5),
+    uses=st.lists(st.booleans(), min_size=5, max_size=5),
+    frac=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_property_auto_keeps_what_the_one_by_one_greedy_keeps(sizes, uses, frac):
+    """Bisection of the fitting prefix and the size pruning choose what trying every
+    group in turn would (with fewer estimates of the graph's peak)."""
+    gm = _joint_like(sizes, uses[: len(sizes)])
+    groups = gather_groups(gm, memory.backward_nodes(gm))
+    lo = memory.estimate(gm, set().union(*(g.roots() for g in groups))).peak_bytes
+    hi = memory.estimate(gm).peak_bytes
+    budget = int(lo + frac * (hi - lo))
+    kept, _, _ = choose_kept(gm, groups, budget)
+    assert kept == _greedy_one_by_one(gm, groups, budget)
+
+
+def test_auto_with_many_gathers_needs_few_estimates():
+    """All fit: two estimates; a tight budget: a bisection, not one per gather."""
+    from graphcomp.pipeline import PassRecord
+
+    gm = _joint_like([16] * 24, [True] * 24)
+    groups = gather_groups(gm, memory.backward_nodes(gm))
+    hi = memory.estimate(gm).peak_bytes
+    lo = memory.estimate(gm, set().union(*(g.roots() for g in groups))).peak_bytes
+
+    def run(budget):
+        from graphcomp.config import Config
+        from graphcomp.pipeline import PassContext
+
+        ctx = PassContext(config=Config(), frame_id=0, stage="joint")
+        ctx.record = PassRecord(name="schedule_free", stage="joint", enabled=True)
+        kept, est, _ = choose_kept(gm, groups, budget, ctx)
+        return kept, est, ctx.record.counts["estimates"]
+
+    kept, est, n = run(hi)
+    assert len(kept) == 24 and n == 2
+    budget = (lo + hi) // 2
+    kept, est, n = run(budget)
+    assert 0 < len(kept) < 24 and est.peak_bytes <= budget and n <= 2 + 6 + 2
+    assert kept == _greedy_one_by_one(gm, groups, budget)
+
+
 def _experts(group):
     """transformers' batched_mm experts in small: the gathered expert weights indexed
     per token (``w[ids]``: one weight copy per token), then a batched matmul; the
