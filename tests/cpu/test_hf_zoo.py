@@ -71,7 +71,7 @@ def _reference(family):
     return [float(x) for x in losses], g1, {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
-def _sharded(rank, world, family, codegen, embedding="gather", exchanged=None):
+def _sharded(rank, world, family, codegen, embedding="gather", exchanged=None, options=None):
     import torch.distributed as dist
 
     import graphcomp
@@ -83,7 +83,7 @@ def _sharded(rank, world, family, codegen, embedding="gather", exchanged=None):
     graphcomp.shard(m, embedding=embedding)
     if exchanged is not None:  # (the embeddings that exchange tokens, by module name)
         exchanged.extend(n for n, mod in m.named_modules() if "_graphcomp_exchange" in mod.__dict__)
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen})
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen, **(options or {})})
     batches = [zoo.split_batch(zoo.make_batch(m, GLOBAL_BATCH, SEQ, seed=s), rank, world) for s in range(STEPS)]
     losses, g1 = _train(m, batches, lambda mm, b: cm(**b).loss, STEPS)
     lt = torch.stack(losses)
@@ -142,6 +142,30 @@ def test_parity_embedding_exchange_2ranks(ranks2, family, exchanged):
     res = ranks2.run(_sharded_exchange, family)
     for r in res:
         assert r[3] == exchanged, r[3]
+    _check(family, [r[:3] for r in res], rtol=1e-5)
+
+
+def _sharded_keep(rank, world, family):
+    import graphcomp
+
+    res = _sharded(rank, world, family, "eager", options={"reshard_after_forward": False})
+    recs = [p for f in graphcomp.frame_summaries() for p in f["stages"].get("joint", {}).get("passes", [])
+            if p["name"] == "schedule_free"]
+    kept = sum(p["counts"].get("gathers_kept", 0) for p in recs)
+    resharded = sum(p["counts"].get("gathers_resharded", 0) for p in recs)
+    return (*res, (kept, resharded))
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral-batched_mm"])
+def test_parity_gathers_kept_for_backward_2ranks(ranks2, family):
+    """Every gathered parameter kept from the forward to the backward (what the
+    default reshard_after_forward="auto" does on CUDA while it fits; the CPU default
+    reshards): the same numbers as the unsharded eager reference, also with
+    batched_mm's expanding reads of gathered expert weights recomputed in backward."""
+    res = ranks2.run(_sharded_keep, family)
+    for r in res:
+        kept, resharded = r[3]
+        assert kept > 0 and resharded == 0, r[3]
     _check(family, [r[:3] for r in res], rtol=1e-5)
 
 
