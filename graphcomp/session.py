@@ -13,8 +13,8 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
 * ``exchange_groups`` -- the groups of ``shard(embedding="exchange")``'s token
   exchange (kept by ``reset()``; not parameter collectives: the passes leave them alone);
 * ``shape_following_code`` -- Dynamo ids of functions compiled with dynamic shapes;
-* ``kept_gather_bytes`` -- gathered bytes each compiled function keeps for its backward
-  (``schedule_free``'s ``reshard_after_forward="auto"``);
+* ``kept_gather_bytes``, ``keep_plans`` -- gathered bytes each compiled function keeps
+  for its backward, and which (``schedule_free``'s ``reshard_after_forward="auto"``);
 * ``agree_seq`` -- rank-agreement numbering (``graphcomp.agreement``; kept by ``reset()``);
 * ``runtime`` -- the CUDA-graph runtime (``graphcomp.runtime.manager.Runtime``: pool,
   capture stream, runners, ledger). The runtime package creates it and attaches it here
@@ -120,6 +120,9 @@ class Session:
         # its backward; a function's keep decision leaves room for the others' (frames
         # of one step hold theirs at the same time). Its recompiles replace its entry
         self.kept_gather_bytes: dict[Any, int] = {}
+        # ... and the plan itself, per function: (the gathers' (wire, held) bytes, the
+        # kept group indices), decided at its first compile and reused by recompiles
+        self.keep_plans: dict[Any, tuple[tuple[tuple[int, int], ...], frozenset[int]]] = {}
         # where the backend writes its dumps (Config.dump_dir, rank): graphcomp.runtime's
         # teardown writes the run-time record (captured steps, counters) there too
         self.dump_target: tuple[str, int] | None = None
@@ -136,6 +139,7 @@ class Session:
         self.scopes.clear()
         self.shape_following_code.clear()
         self.kept_gather_bytes.clear()
+        self.keep_plans.clear()
         self.dump_target = None
         if self.runtime is not None:
             self.runtime.reset()

@@ -28,7 +28,11 @@ under the default budget (``"auto"``: 0.9 of a CUDA device's memory) less
 ``OPTIMIZER_STATE_FACTOR`` times the gathered shards' bytes, room for the
 optimizer state that lives outside the graph, and less the gathered bytes other
 compiled functions keep (``SESSION.kept_gather_bytes``: the frames of a step with
-graph breaks hold theirs at the same time; a recompile replaces its function's). Without a budget (the CPU default)
+graph breaks hold theirs at the same time). The plan is decided at a function's
+first compile and reused by its recompiles (``SESSION.keep_plans``; a graph whose
+gathers differ decides afresh): a rank that recompiles alone for a new input shape
+must issue the gathers its peers' graphs issue, and an estimate of its new shapes
+could decide otherwise near the budget. Without a budget (the CPU default)
 "auto" reshards everything. An infeasible budget (over it even with everything
 resharded) logs a warning, is recorded, and reshards everything. A kept gather
 costs its gathered bytes from the forward to the backward and saves the
@@ -327,20 +331,37 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             default_budget = ctx.config.memory_budget == "auto"
             key = ctx.frame.code_id if ctx.frame.code_id is not None else f"frame {ctx.frame_id}"
-            reserve = others = 0
-            if default_budget:  # room for what the default budget cannot see
-                reserve = optimizer_reserve(groups)
-                others = sum(b for k, b in SESSION.kept_gather_bytes.items() if k != key)
-            kept, est, reason = choose_kept(gm, groups, budget - reserve - others, ctx)
+            sig = tuple((g.wire_bytes, g.held_bytes) for g in groups)
+            prior = SESSION.keep_plans.get(key)
+            if prior is not None and prior[0] == sig:
+                # a recompile (a new input shape, perhaps on this rank alone): the
+                # function's first plan, so that every rank's graphs of it issue the
+                # same gathers whatever shapes each rank compiled for
+                kept = set(prior[1])
+                est = memory.estimate(gm, set().union(set(), *(g.roots() for i, g in enumerate(groups)
+                                                               if i not in kept)), bwd)
+                ctx.count("keep_plan_reused")
+                ctx.note(f"reshard_after_forward='auto': the plan of this function's first compile reused "
+                         f"({len(kept)} of {len(groups)} gathers kept), so ranks that recompile for different "
+                         f"shapes issue the same collectives; estimated peak {est.peak_bytes} bytes"
+                         + (f", over the budget of {budget}" if est.peak_bytes > budget else ""))
+            else:
+                reserve = others = 0
+                if default_budget:  # room for what the default budget cannot see
+                    reserve = optimizer_reserve(groups)
+                    others = sum(b for k, b in SESSION.kept_gather_bytes.items() if k != key)
+                kept, est, reason = choose_kept(gm, groups, budget - reserve - others, ctx)
+                SESSION.keep_plans[key] = (sig, frozenset(kept))
+                if default_budget:
+                    ctx.count("optimizer_reserve_bytes", reserve)
+                    ctx.count("other_frames_kept_bytes", others)
+                    ctx.note(f"reshard_after_forward='auto': {len(kept)} of {len(groups)} gathered parameters kept "
+                             f"for the backward under memory_budget='auto' ({budget} bytes) less {reserve} bytes "
+                             f"left for optimizer state ({OPTIMIZER_STATE_FACTOR}x the parameter shards) and "
+                             f"{others} bytes other compiled functions keep")
             ctx.count("budget_bytes", budget)
             if default_budget:
                 SESSION.kept_gather_bytes[key] = sum(groups[i].held_bytes for i in kept)
-                ctx.count("optimizer_reserve_bytes", reserve)
-                ctx.count("other_frames_kept_bytes", others)
-                ctx.note(f"reshard_after_forward='auto': {len(kept)} of {len(groups)} gathered parameters kept for "
-                         f"the backward under memory_budget='auto' ({budget} bytes) less {reserve} bytes left for "
-                         f"optimizer state ({OPTIMIZER_STATE_FACTOR}x the parameter shards) and {others} bytes "
-                         f"other compiled functions keep")
         if reason is not None:
             log.warning("graphcomp schedule_free (frame %s): %s", ctx.frame_id, reason)
             ctx.note(reason)

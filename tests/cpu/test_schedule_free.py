@@ -226,9 +226,9 @@ def test_auto_under_the_default_budget_leaves_room_for_optimizer_state(monkeypat
     reserve = sf.optimizer_reserve(groups)
     assert reserve == 2 * sum(memory.value_bytes(n) for n in sf.shard_inputs(groups)) > 0
     monkeypatch.setattr(memory, "resolve_budget", lambda b, g: full if b == "auto" else int(b))
-    gm, rec = run_pass("schedule_free", gm, reshard_after_forward="auto", memory_budget="auto")
+    gm, rec = run_pass("schedule_free", gm, code_id=1, reshard_after_forward="auto", memory_budget="auto")
     assert rec.counts["optimizer_reserve_bytes"] == reserve and rec.counts["gathers_kept"] < 2
-    gm2, rec2 = run_pass("schedule_free", _joint_like([8, 8], [True, True]), reshard_after_forward="auto",
+    gm2, rec2 = run_pass("schedule_free", _joint_like([8, 8], [True, True]), code_id=2, reshard_after_forward="auto",
                          memory_budget=full)
     assert rec2.counts["gathers_kept"] == 2 and "optimizer_reserve_bytes" not in rec2.counts
 
@@ -251,8 +251,31 @@ def test_auto_under_the_default_budget_leaves_room_for_other_frames(monkeypatch)
     _, b = run_pass("schedule_free", g(), code_id=2, reshard_after_forward="auto", memory_budget="auto")
     assert b.counts["other_frames_kept_bytes"] == held and b.counts["gathers_kept"] < 2
     _, a2 = run_pass("schedule_free", g(), code_id=1, reshard_after_forward="auto", memory_budget="auto")
-    assert a2.counts["other_frames_kept_bytes"] == SESSION.kept_gather_bytes[2] < held
-    assert a2.counts["gathers_kept"] >= b.counts["gathers_kept"]
+    assert a2.counts["keep_plan_reused"] == 1 and a2.counts["gathers_kept"] == 2  # its first plan
+    assert SESSION.kept_gather_bytes[1] == held
+
+
+def test_auto_recompile_reuses_the_first_plan_whatever_its_shapes(monkeypatch):
+    """A rank that recompiles alone for a new shape must issue its peers' gathers: the
+    function's first plan is reused even where the new estimate would decide
+    otherwise; a graph with other gathers decides afresh."""
+    from graphcomp import memory
+
+    g = lambda: _joint_like([8, 8], [True, True])  # noqa: E731
+    _, full = run_pass("schedule_free", g(), reshard_after_forward=False)
+    budget = [full.counts["estimated_peak_bytes"]]
+    monkeypatch.setattr(memory, "resolve_budget", lambda b, gm: budget[0])
+    _, first = run_pass("schedule_free", g(), code_id=7, reshard_after_forward="auto", memory_budget=123)
+    assert first.counts["gathers_kept"] == 2
+    budget[0] = 1  # (the new shapes' estimate would now keep nothing)
+    gm, again = run_pass("schedule_free", g(), code_id=7, reshard_after_forward="auto", memory_budget=123)
+    assert again.counts["keep_plan_reused"] == 1 and again.counts["gathers_kept"] == 2
+    assert any("over the budget" in n for n in again.notes)
+    assert all(n.meta["recompute"] == _compat.checkpoint_policy().MUST_SAVE for n in gm.graph.nodes if is_target(n, AG))
+    budget[0] = full.counts["estimated_peak_bytes"]
+    _, other = run_pass("schedule_free", _joint_like([8, 16], [True, True]), code_id=7,
+                        reshard_after_forward="auto", memory_budget=123)
+    assert "keep_plan_reused" not in other.counts
 
 
 def test_inference_graph_is_a_noop():
