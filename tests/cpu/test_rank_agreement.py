@@ -231,3 +231,16 @@ def test_a_different_prefetch_distance_is_not_a_divergence():
     assert agreement.first_difference(mine, [dict(mine[0], bytes=704), dict(mine[1])]) == 0
     assert agreement.first_difference(mine, [dict(mine[1]), dict(mine[0])]) == 0
     assert agreement.first_difference(mine, mine[:1]) == 1
+
+
+def _run_keep_differs(rank: int, world: int) -> dict:
+    """Ranks whose reshard_after_forward="auto" plans differ (near the budget with
+    different shapes): here rank 0 keeps every gather, rank 1 reshards them."""
+    return _run(rank, world, None, {"reshard_after_forward": rank == 1})
+
+
+def test_different_keep_plans_raise_on_both_ranks(ranks2):
+    out = ranks2.run(_run_keep_differs, timeout=240)
+    for r in out:
+        assert r.get("ours") and r["seconds"] < WAIT_S, r
+        assert "resharded" in r["error"], r["error"]
