@@ -351,6 +351,13 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     reserve = optimizer_reserve(groups)
                     others = sum(b for k, b in SESSION.kept_gather_bytes.items() if k != key)
                 kept, est, reason = choose_kept(gm, groups, budget - reserve - others, ctx)
+                if reason is not None and (reserve or others) and est.peak_bytes <= budget:
+                    # the graph fits the budget; only the room left for the optimizer
+                    # and the other frames is short: nothing to keep, nothing to warn of
+                    reason = None
+                    ctx.note(f"reshard_after_forward='auto': no room to keep gathers (estimated peak "
+                             f"{est.peak_bytes} bytes with every gather resharded, budget {budget} less "
+                             f"{reserve + others} bytes reserved); every gather resharded")
                 SESSION.keep_plans[key] = (sig, frozenset(kept))
                 if default_budget:
                     ctx.count("optimizer_reserve_bytes", reserve)

@@ -255,6 +255,21 @@ def test_auto_under_the_default_budget_leaves_room_for_other_frames(monkeypatch)
     assert SESSION.kept_gather_bytes[1] == held
 
 
+def test_auto_with_no_room_after_the_reserve_reshards_without_a_warning(monkeypatch, caplog):
+    """The graph fits the default budget but not with the optimizer reserve on top:
+    every gather resharded, noted, not reported as an infeasible budget."""
+    from graphcomp import memory
+
+    gm = _joint_like([8, 8], [True, True])
+    groups = sf.gather_groups(gm, memory.backward_nodes(gm))
+    lo = memory.estimate(gm, set().union(*(g.roots() for g in groups))).peak_bytes
+    monkeypatch.setattr(memory, "resolve_budget", lambda b, g: lo)
+    with caplog.at_level(logging.WARNING, logger="graphcomp.passes.schedule_free"):
+        gm, rec = run_pass("schedule_free", gm, code_id=3, reshard_after_forward="auto", memory_budget="auto")
+    assert rec.counts["gathers_kept"] == 0 and "budget_infeasible" not in rec.counts
+    assert any("no room to keep gathers" in n for n in rec.notes) and not caplog.records
+
+
 def test_auto_recompile_reuses_the_first_plan_whatever_its_shapes(monkeypatch):
     """A rank that recompiles alone for a new shape must issue its peers' gathers: the
     function's first plan is reused even where the new estimate would decide
