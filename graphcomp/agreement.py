@@ -245,6 +245,36 @@ def check_compiled(frame_id: int, stage: str, colls: list[dict[str, Any]], cfg: 
         log.debug("graphcomp: %s agrees across ranks on %d group(s)", what, len(todo))
 
 
+def agree_kept(group: str | None, graph_key: str, kept: list[int], n_groups: int, cfg: Any) -> list[int]:
+    """``reshard_after_forward="auto"`` at a function's first compile: every member of
+    ``group`` publishes the gather groups its own estimate keeps and all keep the
+    intersection, so that ranks whose first inputs differ in shape (their estimates
+    differ near the budget) issue the same gathers. Keeping fewer never breaks a
+    rank's budget (the estimate only grows as gathers are kept). A member that does
+    not publish within ``rank_agreement_timeout`` raises ``RankDivergence`` (it took
+    another path; the compile-time agreement would fail on it too). Without rank
+    agreement, a store, or another member: ``kept`` as it is."""
+    store = _compat.default_store()
+    members = _compat.group_ranks(group) if group is not None else None
+    if not cfg.rank_agreement or store is None or members is None or len(members) < 2:
+        return kept
+    rank = _rank()
+    if rank not in members:
+        return kept
+    epoch = SESSION.agree_seq.get("epoch", 0)
+    n = SESSION.agree_seq.get(f"keep:{graph_key}", 0)  # (graphcomp.reset() forgets the plans, not the store)
+    SESSION.agree_seq[f"keep:{graph_key}"] = n + 1
+    base = f"graphcomp/keep/{epoch}/{group}/{graph_key}/{n_groups}/{n}"
+    mine = {"what": f"the gathers reshard_after_forward='auto' keeps ({len(kept)} of {n_groups})", "kept": kept,
+            "rows": []}
+    store.set(f"{base}/{rank}", json.dumps(mine))
+    out = set(kept)
+    for r in members:
+        if r != rank:
+            out &= set(_wait_for(store, f"{base}/{r}", cfg.rank_agreement_timeout, group, r, mine)["kept"])
+    return sorted(out)
+
+
 def _python_source() -> str | None:
     frames = [(f.filename, f.lineno or 0, f.line or "") for f in traceback.extract_stack()[:-2]]
     return graph_utils.user_frame(frames)

@@ -65,8 +65,9 @@ class Config:
     peak of the joint graph stays under ``memory_budget``; under the default budget
     (``"auto"``) it also leaves room for the optimizer state outside the graph (2x
     the parameter shards' bytes) and for what other compiled frames keep. The choice
-    is made at a function's first compile and reused by its recompiles, so ranks that
-    recompile alone for new input shapes issue the same gathers. So on CUDA the memory sharding saved buys the
+    is made at a function's first compile (every rank keeps what all ranks' estimates
+    keep) and reused by its recompiles, so ranks with different input shapes issue
+    the same gathers. So on CUDA the memory sharding saved buys the
     backward's re-gathers back while it fits (W2 on 2 H100s: 3.4% faster, 2.4 GiB
     more); without a budget (the CPU default) "auto" reshards everything;
     ``"except_last"``: reshard every gathered parameter but the gather (bucket) the

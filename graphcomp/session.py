@@ -120,9 +120,9 @@ class Session:
         # its backward; a function's keep decision leaves room for the others' (frames
         # of one step hold theirs at the same time). Its recompiles replace its entry
         self.kept_gather_bytes: dict[Any, int] = {}
-        # ... and the plan itself, per function: (the gathers' (wire, held) bytes, the
-        # kept group indices), decided at its first compile and reused by recompiles
-        self.keep_plans: dict[Any, tuple[tuple[tuple[int, int], ...], frozenset[int]]] = {}
+        # ... and the plan itself, per (function, digest of its gathers' sizes): the kept
+        # group indices, decided at its first compile and reused by recompiles
+        self.keep_plans: dict[Any, frozenset[int]] = {}
         # where the backend writes its dumps (Config.dump_dir, rank): graphcomp.runtime's
         # teardown writes the run-time record (captured steps, counters) there too
         self.dump_target: tuple[str, int] | None = None

@@ -29,10 +29,13 @@ under the default budget (``"auto"``: 0.9 of a CUDA device's memory) less
 optimizer state that lives outside the graph, and less the gathered bytes other
 compiled functions keep (``SESSION.kept_gather_bytes``: the frames of a step with
 graph breaks hold theirs at the same time). The plan is decided at a function's
-first compile and reused by its recompiles (``SESSION.keep_plans``; a graph whose
-gathers differ decides afresh): a rank that recompiles alone for a new input shape
+first compile and reused by its recompiles (``SESSION.keep_plans``, per function
+and its gathers' sizes: the graphs of a function split at a graph break, or a
+recompile with other gathers, decide apart): a rank that recompiles alone for a new input shape
 must issue the gathers its peers' graphs issue, and an estimate of its new shapes
-could decide otherwise near the budget. Without a budget (the CPU default)
+could decide otherwise near the budget. At the first compile the ranks keep the
+intersection of what each one's estimate keeps (``agreement.agree_kept``, through
+the store), so ranks whose first inputs differ in shape agree too. Without a budget (the CPU default)
 "auto" reshards everything. An infeasible budget (over it even with everything
 resharded) logs a warning, is recorded, and reshards everything. A kept gather
 costs its gathered bytes from the forward to the backward and saves the
@@ -66,6 +69,7 @@ No-op when the graph has no all-gather, or (inference) no backward.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -73,7 +77,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from graphcomp import _compat, memory
+from graphcomp import _compat, agreement, memory
 from graphcomp import graph_utils as gu
 from graphcomp.ops import OPS
 from graphcomp.pipeline import PassContext, PassResult, register_pass
@@ -330,14 +334,17 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             est = memory.estimate(gm, set().union(*(g.roots() for g in groups)), bwd)
         else:
             default_budget = ctx.config.memory_budget == "auto"
-            key = ctx.frame.code_id if ctx.frame.code_id is not None else f"frame {ctx.frame_id}"
             sig = tuple((g.wire_bytes, g.held_bytes) for g in groups)
+            # one plan per graph of a function (a graph break splits one Dynamo frame
+            # into several graphs: told apart by their gathers)
+            digest = hashlib.sha1(repr(sig).encode()).hexdigest()[:16]
+            key = (ctx.frame.code_id if ctx.frame.code_id is not None else f"frame {ctx.frame_id}", digest)
             prior = SESSION.keep_plans.get(key)
-            if prior is not None and prior[0] == sig:
+            if prior is not None:
                 # a recompile (a new input shape, perhaps on this rank alone): the
                 # function's first plan, so that every rank's graphs of it issue the
                 # same gathers whatever shapes each rank compiled for
-                kept = set(prior[1])
+                kept = set(prior)
                 est = memory.estimate(gm, set().union(set(), *(g.roots() for i, g in enumerate(groups)
                                                                if i not in kept)), bwd)
                 ctx.count("keep_plan_reused")
@@ -358,7 +365,17 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     ctx.note(f"reshard_after_forward='auto': no room to keep gathers (estimated peak "
                              f"{est.peak_bytes} bytes with every gather resharded, budget {budget} less "
                              f"{reserve + others} bytes reserved); every gather resharded")
-                SESSION.keep_plans[key] = (sig, frozenset(kept))
+                if ctx.frame.code_id is not None:  # (a Dynamo frame: its peers compile it too)
+                    agreed = agreement.agree_kept(gu.collective_group(groups[0].coll), f"{key[0]}/{digest}",
+                                                  sorted(kept), len(groups), ctx.config)
+                    if len(agreed) != len(kept):
+                        ctx.note(f"reshard_after_forward='auto': {len(kept)} gathers fit this rank's estimate, "
+                                 f"{len(agreed)} every rank's: keeping those (the ranks' first inputs differ)")
+                        ctx.count("keep_agreed_fewer", len(kept) - len(agreed))
+                        kept = set(agreed)
+                        est = memory.estimate(gm, set().union(set(), *(g.roots() for i, g in enumerate(groups)
+                                                                       if i not in kept)), bwd)
+                SESSION.keep_plans[key] = frozenset(kept)
                 if default_budget:
                     ctx.count("optimizer_reserve_bytes", reserve)
                     ctx.count("other_frames_kept_bytes", others)

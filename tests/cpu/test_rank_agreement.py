@@ -244,3 +244,28 @@ def test_different_keep_plans_raise_on_both_ranks(ranks2):
     for r in out:
         assert r.get("ours") and r["seconds"] < WAIT_S, r
         assert "resharded" in r["error"], r["error"]
+
+
+def _run_auto_budgets_differ(rank: int, world: int) -> dict:
+    """reshard_after_forward="auto" with estimates that differ between ranks (as
+    different first input shapes near the budget would): rank 0's budget keeps every
+    gather, rank 1's none; the ranks agree on the intersection at the first compile."""
+    import graphcomp
+
+    out = _run(rank, world, None, {"reshard_after_forward": "auto",
+                                   "memory_budget": 10**12 if rank == 0 else 1,
+                                   "passes": {"remat": False}})
+    recs = [p for f in graphcomp.frame_summaries() for p in f["stages"].get("joint", {}).get("passes", [])
+            if p["name"] == "schedule_free"]
+    out["kept"] = [p["counts"].get("gathers_kept") for p in recs]
+    out["fewer"] = [p["counts"].get("keep_agreed_fewer", 0) for p in recs]
+    return out
+
+
+def test_auto_keep_plans_agree_at_the_first_compile(ranks2):
+    out = ranks2.run(_run_auto_budgets_differ, timeout=240)
+    for r in out:
+        assert "error" not in r, r
+        assert r["kept"] == [0], r  # the intersection of "all" and "none"
+    assert out[0]["fewer"][0] > 0 and out[1]["fewer"] == [0], out
+    assert all("loss" in r for r in out), out
