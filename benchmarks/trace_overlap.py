@@ -66,6 +66,7 @@ CATEGORIES = (
     ("nccl", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "ampere_", "splitk")),
+    ("copy", ("copyfunctor",)),  # a multi-tensor copy: graphcomp's bf16 pack of the shards (pack_cast)
     ("optimizer", ("multi_tensor_apply", "fused_adam", "adam")),
     ("triton pointwise", ("triton_poi",)),
     ("triton reduction", ("triton_red", "triton_per")),

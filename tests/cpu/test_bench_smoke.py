@@ -308,6 +308,7 @@ def test_trace_kernel_breakdown_by_category(tmp_path, capsys):
     assert list(r["categories"])[0] == "matmul" and r["categories"]["matmul"]["count"] == 1.0
     assert category("multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
     assert category("split_with_sizes_copy_out_contiguous_no_cast_kernel") == "copy"
+    assert category("multi_tensor_apply_kernel<TensorListMetadata<2>, CopyFunctor<c10::BFloat16, float>>") == "copy"
     assert category("some_kernel") == "other"
     main(["--kernels", "--steps", "2", "--top", "1", str(p)])
     out = capsys.readouterr().out
