@@ -54,6 +54,7 @@ est() {
     W1:ddp_compile) echo 60 ;;  W2:ddp_compile) echo 80 ;;
     W1:inductor) echo 60 ;;     W2:inductor) echo 80 ;;
     W1:graphcomp*) echo 90 ;;   W2:graphcomp*) echo 120 ;;
+    W3:graphcomp*) echo 240 ;;  W3:fsdp2_compile*) echo 180 ;;  # guesses: cold compile 115-123 s (issue 14) + ~1 s steps
     W1:deepspeed_z3) echo 30 ;; W2:deepspeed_z3) echo 45 ;;
     W1:deepcompile) echo 150 ;; W2:deepcompile) echo 180 ;;  # + ~60 s JIT build of its op, first time
     W1:simplefsdp) echo 90 ;;   W2:simplefsdp) echo 130 ;;  # guesses: one Inductor compile of the whole model
@@ -77,8 +78,9 @@ n_workloads() {
 default_systems() {
   case "$1:$2" in
     W1:1) echo "graphcomp,inductor" ;;
-    W1:2) echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,simplefsdp,graph_trainer,deepspeed_z3,deepcompile" ;;
-    W2:2) echo "graphcomp,fsdp2_compile,simplefsdp,graph_trainer,deepcompile" ;;
+    W1:2) echo "graphcomp,graphcomp-whole_step,fsdp2_compile,fsdp2,ddp_compile,simplefsdp,graph_trainer,deepspeed_z3,deepcompile" ;;
+    W2:2) echo "graphcomp,fsdp2_compile,ddp_compile,simplefsdp,graph_trainer,deepcompile" ;;
+    W3:*) echo "graphcomp,fsdp2_compile,fsdp2_compile-noac" ;;  # BENCHMARKS.md: fsdp2_compile with and without checkpointing
     hf-*:1) echo "graphcomp,inductor" ;;
     hf-*) echo "graphcomp,fsdp2_compile,fsdp2" ;;
     *)    echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,simplefsdp,deepspeed_z3,deepcompile" ;;
