@@ -61,19 +61,34 @@ class Dumper:
         if d is not None:
             (d / fname).write_text(text)
 
+    def _text(self, gm: fx.GraphModule):
+        """``readable(gm)``, formatted once and only when something reads it: the
+        dump directory or an enabled structured trace (formatting a W3-deep graph takes
+        about a second, and a compile formats a dozen)."""
+        cache: list[str] = []
+
+        def get() -> str:
+            if not cache:
+                cache.append(readable(gm))
+            return cache[0]
+
+        return get
+
     def graph(self, frame_id: int, stage: str, what: str, gm: fx.GraphModule) -> None:
-        text = readable(gm)
-        self._write(stage, f"{what}.txt", text)
+        text = self._text(gm)
+        if self.root is not None:
+            self._write(stage, f"{what}.txt", text())
         if what == "input":
             name = f"graphcomp_frame{frame_id}_{stage}_input"
-            _compat.trace_artifact(name, text)
+            _compat.trace_artifact(name, text)  # (formats only if a trace is being written)
             _compat.log_graph(name, gm)
 
     def pass_graph(self, frame_id: int, stage: str, idx: int, name: str, when: str, gm: fx.GraphModule) -> None:
         if self.root is None and when == "before":
             return
-        text = readable(gm)
-        self._write(stage, f"{idx:02d}-{name}.{when}.txt", text)
+        text = self._text(gm)
+        if self.root is not None:
+            self._write(stage, f"{idx:02d}-{name}.{when}.txt", text())
         if when == "after":
             art = f"graphcomp_frame{frame_id}_{stage}_{idx:02d}_{name}"
             _compat.trace_artifact(art, text)
