@@ -24,36 +24,31 @@ from hf_zoo_driver import run_job  # noqa: E402
 LOSS, GRAD, PARAM = 1e-4, 1e-3, 1e-3  # issue 12's parity bar (fp32)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1gpu", "2gpu"])
-def zoo_results(request, tmp_path_factory):
-    nproc = request.param
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
+def _run_jobs(name: str, families, nproc: int, workers: int, tmp_path_factory, extra_env: dict | None = None) -> dict:
+    """Every (family, mode) job on ``nproc`` GPUs, ``workers`` at a time, by (family, mode)."""
     from concurrent.futures import ThreadPoolExecutor
 
     base = os.environ.get("GC_ZOO_OUT")  # keep the per-job JSON and logs (GPU sessions)
-    out = os.path.join(base, f"zoo{nproc}") if base else str(tmp_path_factory.mktemp(f"zoo{nproc}"))
+    out = os.path.join(base, name) if base else str(tmp_path_factory.mktemp(name))
     os.makedirs(out, exist_ok=True)
-    jobs = [(f, m) for f in FAMILIES for m in ("parity", "bf16")]
-    with ThreadPoolExecutor(max(1, 8 // nproc)) as ex:
-        res = list(ex.map(lambda j: run_job(j[0], j[1], out, nproc, 420), jobs))
+    jobs = [(f, m) for f in families for m in ("parity", "bf16")]
+    with ThreadPoolExecutor(workers) as ex:
+        res = list(ex.map(lambda j: run_job(j[0], j[1], out, nproc, 420, extra_env), jobs))
     return {(r["family"], r["mode"]): r for r in res}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fp32_parity_with_cuda_graphs(zoo_results, family):
-    r = zoo_results[(family, "parity")]
+def _result(r: dict, family: str) -> dict:
     d = r.get("result", {})
     assert d.get("ok"), f"{family}: {d.get('error')}\n{d.get('traceback', '')[-3000:]}\nlog: {r['log']}"
+    return d
+
+
+def _check_parity(d: dict) -> None:
     assert d["loss_max_rel"] <= LOSS and d["grad_max_rel"] <= GRAD and d["param_max_rel"] <= PARAM, d
     assert d["counters"].get("captures", 0) > 0 and d["counters"].get("capture_failures", 0) == 0, d["counters"]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bf16_training_reaches_cuda_graph_steady_state(zoo_results, family):
-    r = zoo_results[(family, "bf16")]
-    d = r.get("result", {})
-    assert d.get("ok"), f"{family}: {d.get('error')}\n{d.get('traceback', '')[-3000:]}\nlog: {r['log']}"
+def _check_steady_state(d: dict, family: str) -> None:
     assert d["finite"], d["losses"]
     a = d["after_warmup"]
     assert a["cudagraph_fallbacks"] == 0 and a["recaptures"] == 0 and a["hazard_recaptures"] == 0, (family, a, d["warnings"])
@@ -62,6 +57,24 @@ def test_bf16_training_reaches_cuda_graph_steady_state(zoo_results, family):
     assert end.get("pieces_captured", 0) > 0 and end.get("replays", 0) > 0, end
     if family != "mixtral-eager":
         assert end.get("pieces_turned_eager", 0) == 0, (family, end, d["warnings"])
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1gpu", "2gpu"])
+def zoo_results(request, tmp_path_factory):
+    nproc = request.param
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    return _run_jobs(f"zoo{nproc}", FAMILIES, nproc, max(1, 8 // nproc), tmp_path_factory)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fp32_parity_with_cuda_graphs(zoo_results, family):
+    _check_parity(_result(zoo_results[(family, "parity")], family))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_training_reaches_cuda_graph_steady_state(zoo_results, family):
+    _check_steady_state(_result(zoo_results[(family, "bf16")], family), family)
 
 
 # shard(embedding="exchange") on 2 GPUs: Llama's embed_tokens exchanges tokens; GPT-2's
@@ -73,35 +86,18 @@ EXCHANGED = {"llama": ["model.embed_tokens"], "gpt2": ["transformer.wpe"]}
 def exchange_results(tmp_path_factory):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from concurrent.futures import ThreadPoolExecutor
-
-    base = os.environ.get("GC_ZOO_OUT")
-    out = os.path.join(base, "zoo2-exchange") if base else str(tmp_path_factory.mktemp("zoo2-exchange"))
-    os.makedirs(out, exist_ok=True)
-    jobs = [(f, m) for f in EXCHANGED for m in ("parity", "bf16")]
-    with ThreadPoolExecutor(4) as ex:
-        res = list(ex.map(lambda j: run_job(j[0], j[1], out, 2, 420, {"GC_ZOO_EMBEDDING": "exchange"}), jobs))
-    return {(r["family"], r["mode"]): r for r in res}
+    return _run_jobs("zoo2-exchange", EXCHANGED, 2, 4, tmp_path_factory, {"GC_ZOO_EMBEDDING": "exchange"})
 
 
 @pytest.mark.parametrize("family", sorted(EXCHANGED))
 def test_embedding_exchange_parity_2gpu(exchange_results, family):
-    r = exchange_results[(family, "parity")]
-    d = r.get("result", {})
-    assert d.get("ok"), f"{family}: {d.get('error')}\n{d.get('traceback', '')[-3000:]}\nlog: {r['log']}"
+    d = _result(exchange_results[(family, "parity")], family)
     assert d["exchanged"] == EXCHANGED[family], d["exchanged"]
-    assert d["loss_max_rel"] <= LOSS and d["grad_max_rel"] <= GRAD and d["param_max_rel"] <= PARAM, d
-    assert d["counters"].get("captures", 0) > 0 and d["counters"].get("capture_failures", 0) == 0, d["counters"]
+    _check_parity(d)
 
 
 @pytest.mark.parametrize("family", sorted(EXCHANGED))
 def test_embedding_exchange_bf16_steady_state_2gpu(exchange_results, family):
-    r = exchange_results[(family, "bf16")]
-    d = r.get("result", {})
-    assert d.get("ok"), f"{family}: {d.get('error')}\n{d.get('traceback', '')[-3000:]}\nlog: {r['log']}"
+    d = _result(exchange_results[(family, "bf16")], family)
     assert d["exchanged"] == EXCHANGED[family], d["exchanged"]
-    assert d["finite"], d["losses"]
-    a = d["after_warmup"]
-    assert a["cudagraph_fallbacks"] == 0 and a["recaptures"] == 0 and a["hazard_recaptures"] == 0, (family, a, d["warnings"])
-    end = d["counters_end"]
-    assert end.get("pieces_captured", 0) > 0 and end.get("pieces_turned_eager", 0) == 0, (family, end, d["warnings"])
+    _check_steady_state(d, family)
