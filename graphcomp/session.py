@@ -116,9 +116,9 @@ class Session:
         # specializations included, follows the data (CudaGraphRunner.follows_data)
         self.shape_following_code: set[int] = set()
         # reshard_after_forward="auto" under the default budget: gathered bytes each
-        # compiled function (Dynamo code id, or "frame <id>") keeps from its forward to
-        # its backward; a function's keep decision leaves room for the others' (frames
-        # of one step hold theirs at the same time). Its recompiles replace its entry
+        # compiled graph ((Dynamo code id or "frame <id>", digest of its gathers' sizes))
+        # keeps from its forward to its backward; a graph's keep decision leaves room
+        # for the others' (the graphs of one step hold theirs at the same time)
         self.kept_gather_bytes: dict[Any, int] = {}
         # ... and the plan itself, per (function, digest of its gathers' sizes): the kept
         # group indices, decided at its first compile and reused by recompiles

@@ -242,6 +242,11 @@ def optimizer_reserve(groups: list[GatherGroup]) -> int:
     return OPTIMIZER_STATE_FACTOR * sum(memory.value_bytes(n) for n in shard_inputs(groups))
 
 
+def resharded_roots(groups: list[GatherGroup], kept) -> set[fx.Node]:
+    """The storages a plan frees after the forward: every group's but the kept ones'."""
+    return set().union(set(), *(g.roots() for i, g in enumerate(groups) if i not in kept))
+
+
 def regather_cost_per_byte(g: GatherGroup) -> float:
     return (LATENCY_S + g.wire_bytes / BANDWIDTH_BPS) / max(g.held_bytes, 1)
 
@@ -331,7 +336,7 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             kept = set()
             ctx.note("reshard_after_forward='auto' without a memory budget (the CPU default): nothing is known of "
                      "the memory left, so every gathered parameter is resharded")
-            est = memory.estimate(gm, set().union(*(g.roots() for g in groups)), bwd)
+            est = memory.estimate(gm, resharded_roots(groups, kept), bwd)
         else:
             default_budget = ctx.config.memory_budget == "auto"
             sig = tuple((g.wire_bytes, g.held_bytes) for g in groups)
@@ -345,8 +350,7 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 # function's first plan, so that every rank's graphs of it issue the
                 # same gathers whatever shapes each rank compiled for
                 kept = set(prior)
-                est = memory.estimate(gm, set().union(set(), *(g.roots() for i, g in enumerate(groups)
-                                                               if i not in kept)), bwd)
+                est = memory.estimate(gm, resharded_roots(groups, kept), bwd)
                 ctx.count("keep_plan_reused")
                 ctx.note(f"reshard_after_forward='auto': the plan of this function's first compile reused "
                          f"({len(kept)} of {len(groups)} gathers kept), so ranks that recompile for different "
@@ -373,8 +377,7 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                  f"{len(agreed)} every rank's: keeping those (the ranks' first inputs differ)")
                         ctx.count("keep_agreed_fewer", len(kept) - len(agreed))
                         kept = set(agreed)
-                        est = memory.estimate(gm, set().union(set(), *(g.roots() for i, g in enumerate(groups)
-                                                                       if i not in kept)), bwd)
+                        est = memory.estimate(gm, resharded_roots(groups, kept), bwd)
                 SESSION.keep_plans[key] = frozenset(kept)
                 if default_budget:
                     ctx.count("optimizer_reserve_bytes", reserve)
@@ -399,8 +402,7 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                      "reshard_after_forward='except_last': the backward reads no gathered parameter")
         else:
             kept = set() if mode else set(range(len(groups)))
-        reshard = set().union(*(g.roots() for i, g in enumerate(groups) if i not in kept))
-        est = memory.estimate(gm, reshard, bwd)
+        est = memory.estimate(gm, resharded_roots(groups, kept), bwd)
     n_tagged = 0
     for i, g in enumerate(groups):
         policy = Policy.MUST_SAVE if i in kept else Policy.MUST_RECOMPUTE
