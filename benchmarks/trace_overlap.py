@@ -45,20 +45,21 @@ def _merge(intervals: list[tuple[float, float]]) -> list[list[float]]:
     return merged
 
 
-def _kernels(path: str) -> list[dict]:
+def _events(path: str, cats: tuple[str, ...]) -> list[dict]:
+    """The trace's timed events of the categories ``cats``, by start."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    return sorted((e for e in events if e.get("cat") in cats and "dur" in e), key=lambda e: e["ts"])
+
+
+def _kernels(path: str) -> list[dict]:
+    return _events(path, ("kernel",))
 
 
 def _gpu_work(path: str) -> list[dict]:
     """Kernels, device copies and memsets, by start."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    cats = ("kernel", "gpu_memcpy", "gpu_memset")
-    return sorted((e for e in events if e.get("cat") in cats and "dur" in e), key=lambda e: e["ts"])
+    return _events(path, ("kernel", "gpu_memcpy", "gpu_memset"))
 
 
 # (category, substrings of the lowercased name), first match wins
