@@ -367,6 +367,14 @@ def build_graphcomp_exchange_keep(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, embedding="exchange", options={"reshard_after_forward": False})
 
 
+def build_graphcomp_remat_auto(ctx: Ctx) -> Built:
+    """graphcomp with ``remat="auto"``: the user's activation checkpointing (W3's per
+    block) is a candidate, not an order; under the memory budget graphcomp saves
+    the activations that fit (before keeping gathered parameters) and recomputes
+    the rest."""
+    return build_graphcomp(ctx, options={"remat": "auto"})
+
+
 def make_ablation_builder(pass_name: str):
     def build(ctx: Ctx) -> Built:
         return build_graphcomp(ctx, disable=pass_name)
@@ -469,6 +477,7 @@ def build_deepcompile(ctx: Ctx) -> Built:
 EXTERNAL_BUILDERS = {
     "graphcomp": build_graphcomp,
     "graphcomp-eager_optimizer": build_graphcomp_eager_optimizer,
+    "graphcomp-remat_auto": build_graphcomp_remat_auto,
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-inductor_memory_reorder": build_graphcomp_inductor_memory_reorder,
     "graphcomp-except_last": build_graphcomp_except_last,

@@ -156,15 +156,20 @@ COMPILED_HINT = (
 
 
 def _wait_for(store: Any, key: str, timeout_s: float, g: str, r: int, mine: dict[str, Any]) -> dict[str, Any]:
+    """The entry ``key`` of member ``r``, waited for up to ``timeout_s``; a
+    ``RankDivergence`` describing ``mine`` (its ``what``, and its ``rows`` or its
+    own ``about`` sentence) when it does not come."""
     try:
         store.wait([key], datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - DistStoreError (timeout) or a closed store
         rows = mine.get("rows", [])
+        about = mine.get("about") or (
+            f"This rank (rank {_rank()}) is about to issue {len(rows)} collective(s) there; the first: "
+            f"{_describe(rows[0] if rows else None, 0)}.")
         raise RankDivergence(
-            f"graphcomp: rank {r} did not publish the collective sequence of {mine.get('what', 'this graph')} "
-            f"on process group {g!r} within {timeout_s:g} s ({type(e).__name__}: {e}). This rank "
-            f"(rank {_rank()}) is about to issue {len(rows)} collective(s) there; the first: "
-            f"{_describe(rows[0] if rows else None, 0)}. Rank {r} compiled no matching graph: it took another "
+            f"graphcomp: rank {r} did not publish {mine.get('kind', 'the collective sequence')} of "
+            f"{mine.get('what', 'this graph')} on process group {g!r} within {timeout_s:g} s "
+            f"({type(e).__name__}: {e}). {about} Rank {r} compiled no matching graph: it took another "
             f"Python path, compiles its frames in another order, is still compiling, or died. Make every rank "
             f"run the same code, or raise Config.rank_agreement_timeout if its compile is just slow."
         ) from None
@@ -245,15 +250,24 @@ def check_compiled(frame_id: int, stage: str, colls: list[dict[str, Any]], cfg: 
         log.debug("graphcomp: %s agrees across ranks on %d group(s)", what, len(todo))
 
 
-def agree_kept(group: str | None, graph_key: str, kept: list[int], n_groups: int, cfg: Any) -> list[int]:
-    """``reshard_after_forward="auto"`` at a function's first compile: every member of
-    ``group`` publishes the gather groups its own estimate keeps and all keep the
-    intersection, so that ranks whose first inputs differ in shape (their estimates
-    differ near the budget) issue the same gathers. Keeping fewer never breaks a
-    rank's budget (the estimate only grows as gathers are kept). A member that does
-    not publish within ``rank_agreement_timeout`` raises ``RankDivergence`` (it took
-    another path; the compile-time agreement would fail on it too). Without rank
-    agreement, a store, or another member: ``kept`` as it is."""
+def agree_kept(group: str | None, function: str, digest: str, kept: list[int], n_groups: int, cfg: Any
+               ) -> list[int]:
+    """``reshard_after_forward="auto"`` at the first compile of a graph of
+    ``function``: every member of ``group`` publishes the gather groups its own
+    estimate keeps and all keep the intersection, so that ranks whose first inputs
+    differ in shape (their estimates differ near the budget) issue the same gathers.
+    Keeping fewer never breaks a rank's budget (the estimate only grows as gathers
+    are kept).
+
+    Entries are numbered per function (the k-th graph of it this rank plans: the
+    graphs of a function split at graph breaks come in the same order on every
+    rank), not by the graph's gathers (``digest``, in the entry), so that ranks
+    whose graphs differ meet at once: they keep their own plans, and the
+    compile-time agreement of the forward graph (:func:`check_compiled`) then names
+    the first differing collective and its source line, on every rank, instead of
+    both waiting out the timeout on keys the other never writes. A member that does
+    not publish within ``rank_agreement_timeout`` raises ``RankDivergence``. Without
+    rank agreement, a store, or another member: ``kept`` as it is."""
     store = _compat.default_store()
     members = _compat.group_ranks(group) if group is not None else None
     if not cfg.rank_agreement or store is None or members is None or len(members) < 2:
@@ -262,16 +276,26 @@ def agree_kept(group: str | None, graph_key: str, kept: list[int], n_groups: int
     if rank not in members:
         return kept
     epoch = SESSION.agree_seq.get("epoch", 0)
-    n = SESSION.agree_seq.get(f"keep:{graph_key}", 0)  # (graphcomp.reset() forgets the plans, not the store)
-    SESSION.agree_seq[f"keep:{graph_key}"] = n + 1
-    base = f"graphcomp/keep/{epoch}/{group}/{graph_key}/{n_groups}/{n}"
-    mine = {"what": f"the gathers reshard_after_forward='auto' keeps ({len(kept)} of {n_groups})", "kept": kept,
-            "rows": []}
+    seq = f"keep:{epoch}:{group}:{function}"
+    n = SESSION.agree_seq.get(seq, 0)  # (graphcomp.reset() forgets the plans, not the store)
+    SESSION.agree_seq[seq] = n + 1
+    base = f"graphcomp/keep/{epoch}/{group}/{function}/{n}"
+    what = f"graph #{n} of function {function} (its gathers: {digest})"
+    mine = {"kind": "its keep plan (reshard_after_forward='auto')", "what": what, "digest": digest,
+            "kept": kept, "rows": [],
+            "about": f"This rank (rank {rank}) keeps {len(kept)} of its {n_groups} gathers for the backward."}
     store.set(f"{base}/{rank}", json.dumps(mine))
     out = set(kept)
     for r in members:
-        if r != rank:
-            out &= set(_wait_for(store, f"{base}/{r}", cfg.rank_agreement_timeout, group, r, mine)["kept"])
+        if r == rank:
+            continue
+        theirs = _wait_for(store, f"{base}/{r}", cfg.rank_agreement_timeout, group, r, mine)
+        if theirs.get("digest") != digest:
+            log.warning("graphcomp: rank %d planned other gathers for %s (theirs: %s): each rank keeps its own "
+                        "plan; the forward graph's rank agreement names the difference", r, what,
+                        theirs.get("digest"))
+            return kept
+        out &= set(theirs["kept"])
     return sorted(out)
 
 

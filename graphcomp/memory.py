@@ -168,6 +168,28 @@ def backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
+def partitioner_saves(node: fx.Node) -> bool:
+    """A recompute-tagged node the partitioner saves anyway: the output of one user
+    checkpoint region read by a recomputed node of a later region
+    (``cleanup_recompute_tags``, torch 2.11 and 2.13)."""
+    from . import _compat
+
+    gid = node.meta.get("ac_graph_id")
+    return gid is not None and any(
+        _compat.must_recompute(u) and u.meta.get("ac_graph_id", gid) > gid for u in node.users)
+
+
+def tagged_recompute(gm: fx.GraphModule, exclude: Iterable[fx.Node] = ()) -> list[fx.Node]:
+    """The nodes the partitioner will recompute as the graph is tagged now (the
+    user's ``torch.utils.checkpoint`` regions, ``remat``'s tags), less those it
+    saves anyway and ``exclude`` (nodes a later pass decides), in graph order: the
+    ``recompute=`` of :func:`estimate` for a planner that runs after them."""
+    from . import _compat
+
+    skip = set(exclude)
+    return [n for n in gm.graph.nodes if n not in skip and _compat.must_recompute(n) and not partitioner_saves(n)]
+
+
 def recompute_points(nodes: list[fx.Node], idx: dict[fx.Node, int], recompute: Iterable[fx.Node],
                      bwd: set[fx.Node]) -> dict[fx.Node, int]:
     """Forward node recomputed in backward -> the position (a backward node's) where

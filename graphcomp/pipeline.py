@@ -48,8 +48,8 @@ PASS_ORDER: tuple[str, ...] = (
     "chunk_lm_loss",            # dynamo: linear + cross-entropy -> chunked op
     "fuse_allgather_downcast",  # joint: cast shards before gathering
     "bucket_collectives",       # joint: pack gathers / reduce-scatters into buckets
-    "schedule_free",            # joint: reshard after forward (tags for the partitioner)
     "remat",                    # joint: recompute activations to fit memory_budget (tags)
+    "schedule_free",            # joint: reshard after forward, keep gathers in the room remat left (tags)
     "schedule_prefetch",        # fwd, bwd: move gathers early, waits late
     "partition_graph",          # fwd, bwd: cut where CUDA graphs cannot go
     "cudagraphs",               # fwd, bwd: plan a runner per capturable piece (last)

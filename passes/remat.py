@@ -11,6 +11,21 @@ which AOTAutograd's min-cut partitioner obeys::
     x -> mm -> relu -> mm_1 -> ...   (relu not saved: the backward runs relu(mm) again
                                       before threshold_backward, from the saved mm)
 
+**Before schedule_free: activations first, gathered parameters in the room left.**
+This pass runs before ``schedule_free`` and plans with that pass's least-memory
+choice for the parameter gathers (under ``reshard_after_forward="auto"`` or
+``True``: every gather re-gathered in the backward; ``False`` / ``"except_last"``:
+the gathers those keep), then ``schedule_free`` keeps gathers in the room the plan
+leaves. Both are ways to spend the same memory, and per byte a saved activation is
+worth more: recomputing it is compute on the backward's critical path (a W3 block's
+forward, about a third of its step), while a re-gather is a collective that runs
+beside the backward's matmuls plus a cast and an unpack. The gathers' nodes (and
+their expanding reads) are ``schedule_free``'s to tag: never candidates here, never
+cleared. Under the default budget (``memory_budget="auto"``) the plan's budget is
+the same room ``schedule_free`` plans in: 0.9 of the device less room for the
+optimizer state and the gathers other compiled functions keep
+(``schedule_free.reserved_bytes``).
+
 **What is a candidate.** A forward node that owns its storage (views, ``getitem``
 and ``wait_tensor`` follow their base and are tagged with it), is read by the
 backward (directly or through its views; "the backward" is ``backward_region``:
@@ -18,7 +33,7 @@ the tangent-dependent nodes and the tangent-free ones only they read), is not
 returned by the graph, has a
 deterministic aten/prims op (no random op; attention kernels only without
 dropout), writes no input, and is no collective. Nodes already tagged stay as
-they are (``schedule_free``'s gathers; selective-checkpoint ``MUST_SAVE``), except
+they are (selective-checkpoint ``MUST_SAVE``), except
 user ``torch.utils.checkpoint`` regions under ``Config.remat="auto"``: their nodes
 become candidates like any other, and a user-region node the plan saves loses its
 tag and its ``ac_graph_id`` (so the partitioner's region-boundary rule does not
@@ -77,6 +92,7 @@ import torch.fx as fx
 
 from graphcomp import _compat, memory
 from graphcomp import graph_utils as gu
+from graphcomp.passes import schedule_free
 from graphcomp.pipeline import PassContext, PassResult, register_pass
 
 log = logging.getLogger(__name__)
@@ -165,8 +181,10 @@ def _recomputable_op(node: fx.Node) -> bool:
 MAX_UNIT = 32  # most nodes recomputed together for one candidate
 
 
-def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str) -> list[Candidate]:
-    """Every candidate of the joint graph (module docstring), in graph order.
+def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str, exclude: set[fx.Node] | frozenset = frozenset()
+               ) -> list[Candidate]:
+    """Every candidate of the joint graph (module docstring), in graph order;
+    ``exclude``: nodes another pass decides (``schedule_free``'s gathers).
 
     A candidate is recomputed as a unit with the producers it needs that the
     backward does not read (``x -> mm -> relu``, relu saved: recomputing relu alone
@@ -189,7 +207,8 @@ def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str) -> list[Candida
         return r in info and any(u in bwd for u in info[r][1])
 
     def ok(r: fx.Node) -> bool:
-        return r in info and _recomputable_op(r) and all(free_tag(g) for g in info[r][0])
+        return (r in info and r not in exclude and _recomputable_op(r)
+                and all(free_tag(g) and g not in exclude for g in info[r][0]))
 
     out = []
     for n in nodes:
@@ -236,15 +255,6 @@ def backward_region(gm: fx.GraphModule) -> set[fx.Node]:
         if n not in out and n.op == "call_function" and n.users and all(u in out for u in n.users):
             out.add(n)
     return out
-
-
-def partitioner_saves(node: fx.Node) -> bool:
-    """A recompute-tagged node the partitioner saves anyway: the output of one user
-    checkpoint region read by a recomputed node of a later region
-    (``cleanup_recompute_tags``, torch 2.11 and 2.13)."""
-    gid = node.meta.get("ac_graph_id")
-    return gid is not None and any(
-        _compat.must_recompute(u) and u.meta.get("ac_graph_id", gid) > gid for u in node.users)
 
 
 class _Model:
@@ -383,21 +393,27 @@ def _add_recomputes(model: _Model, fixed: list[fx.Node], cands: list[Candidate],
     return chosen, est, infeasible
 
 
-def plan(gm: fx.GraphModule, budget: int, mode: str) -> RematPlan:
-    """Choose the activations to recompute (module docstring: the policy)."""
+def plan(gm: fx.GraphModule, budget: int, mode: str, decided: set[fx.Node] | frozenset = frozenset(),
+         resharded: list[fx.Node] | tuple = ()) -> RematPlan:
+    """Choose the activations to recompute (module docstring: the policy).
+    ``decided``: nodes ``schedule_free`` tags after this pass (gathers): never
+    candidates, never cleared; ``resharded``: those of them modelled as recomputed
+    (its least-memory plan: gathers re-gathered in the backward)."""
     bwd = backward_region(gm)
     model = _Model(gm, bwd)
-    tagged = [n for n in gm.graph.nodes if _compat.must_recompute(n) and not partitioner_saves(n)]
+    resh = set(resharded)
+    tagged = [n for n in gm.graph.nodes
+              if n in resh or (n not in decided and _compat.must_recompute(n) and not memory.partitioner_saves(n))]
     _, before = model.reset(tagged)
-    respect = candidates(gm, bwd, "respect_user")
+    respect = candidates(gm, bwd, "respect_user", decided)
     chosen, est, infeasible = _add_recomputes(model, tagged, respect, budget)
     user_plan = RematPlan(respect, chosen, [g for c in chosen for g in c.group], [], before, est, infeasible, "user")
-    users = [n for n in gm.graph.nodes if _compat.is_user_checkpoint(n)]
+    users = [n for n in gm.graph.nodes if _compat.is_user_checkpoint(n) and n not in decided]
     if mode != "auto" or not users:
         return user_plan
     # "auto" (a): from every activation saved, recompute what the budget needs
-    fixed = [n for n in tagged if not _compat.is_user_checkpoint(n)]
-    cands = candidates(gm, bwd, "auto")
+    fixed = [n for n in tagged if n in resh or not _compat.is_user_checkpoint(n)]
+    cands = candidates(gm, bwd, "auto", decided)
     chosen, est, infeasible = _add_recomputes(model, fixed, cands, budget)
     saved_plan = RematPlan(cands, chosen, [g for c in chosen for g in c.group], users, before, est, infeasible)
     if user_plan.infeasible is None:
@@ -433,7 +449,7 @@ def _fmt(c: Candidate) -> str:
     return f"{c.node.name} ({gu.op_name(c.node)}, {c.nbytes} B, {c.seconds * 1e6:.1f} us{where})"
 
 
-@register_pass("remat", stages=("joint",), after=("schedule_free",))
+@register_pass("remat", stages=("joint",), after=("fuse_allgather_downcast", "bucket_collectives"))
 def remat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.stage != "joint" or not _compat.is_joint_graph(gm):
         return ctx.unchanged(gm, "no backward in this graph (inference): nothing is saved for it")
@@ -442,9 +458,28 @@ def remat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return ctx.unchanged(gm, f"no memory budget (memory_budget={ctx.config.memory_budget!r} on "
                                  f"{memory.graph_device(gm)}): every recompute tag left as it is")
     mode = ctx.config.remat
-    p = plan(gm, budget, mode)
+    fbwd = memory.backward_nodes(gm)
+    groups = schedule_free.gather_groups(gm, fbwd)
+    decided, resharded = set(), []
+    if groups and ctx.config.pass_enabled("schedule_free"):
+        # schedule_free decides the gathers after this pass: plan with its least-memory
+        # choice (under "auto": every gather re-gathered in the backward), so that saved
+        # activations come first and gathers are kept only in the room left
+        decided = schedule_free.decided_nodes(groups, fbwd)
+        kept = schedule_free.forced_kept(ctx.config.reshard_after_forward, gm, groups, fbwd)
+        resharded = [n for i, g in enumerate(groups) if i not in kept for n in g.nodes]
+        resharded += [r for g in groups for r in schedule_free.expanding_reads(g, fbwd)]
+    reserve, others = schedule_free.reserved_bytes(ctx, groups) if groups else (0, 0)
+    if reserve or others:  # the default budget: the room schedule_free plans under too
+        ctx.count("optimizer_reserve_bytes", reserve)
+        ctx.count("other_frames_kept_bytes", others)
+        ctx.note(f"memory_budget='auto' ({budget} bytes) less {reserve} bytes left for optimizer state "
+                 f"({schedule_free.OPTIMIZER_STATE_FACTOR}x the parameter shards) and {others} bytes other "
+                 f"compiled functions keep gathered")
+        budget -= reserve + others
+    p = plan(gm, budget, mode, decided, resharded)
     Policy = _compat.checkpoint_policy()
-    users = [n for n in gm.graph.nodes if _compat.is_user_checkpoint(n)]
+    users = [n for n in gm.graph.nodes if _compat.is_user_checkpoint(n) and n not in decided]
     cleared = set(p.clear)
     chosen_ids = {c.index for c in p.chosen}
     ctx.count("budget_bytes", budget)

@@ -23,8 +23,12 @@ first backward node's; the last block's bucket), ``"auto"`` (the default): start
 from all resharded and keep groups in order of re-gather cost per byte held
 (``(LATENCY_S + wire_bytes / BANDWIDTH_BPS) / held_bytes``; small, latency-bound
 gathers first; ties in graph order) while the static memory model
-(``graphcomp.memory``) of the joint graph stays under ``Config.memory_budget``;
-under the default budget (``"auto"``: 0.9 of a CUDA device's memory) less
+(``graphcomp.memory``) of the joint graph stays under ``Config.memory_budget``.
+The estimate counts what the partitioner recomputes as the graph is tagged (the
+user's checkpoint regions, ``remat``'s plan: ``memory.tagged_recompute``) as freed,
+not saved: ``remat`` plans before this pass, with every gather re-gathered, so the
+activations it saves come first and gathers are kept in the room left (its module
+docstring says why). Under the default budget (``"auto"``: 0.9 of a CUDA device's memory) less
 ``OPTIMIZER_STATE_FACTOR`` times the gathered shards' bytes, room for the
 optimizer state that lives outside the graph, and less the gathered bytes other
 compiled functions keep (``SESSION.kept_gather_bytes``: the frames of a step with
@@ -247,12 +251,49 @@ def resharded_roots(groups: list[GatherGroup], kept) -> set[fx.Node]:
     return set().union(set(), *(g.roots() for i, g in enumerate(groups) if i not in kept))
 
 
+def decided_nodes(groups: list[GatherGroup], bwd: set[fx.Node]) -> set[fx.Node]:
+    """The nodes this pass tags: every group's and the expanding reads of them.
+    ``remat`` (which plans before this pass) leaves them to it."""
+    return {n for g in groups for n in [*g.nodes, *expanding_reads(g, bwd)]}
+
+
+def forced_kept(mode: bool | str, gm: fx.GraphModule, groups: list[GatherGroup], bwd: set[fx.Node]) -> set[int]:
+    """The groups ``reshard_after_forward=mode`` keeps whatever the budget: none
+    for ``True`` and ``"auto"`` (which keeps more only in the room ``remat`` leaves),
+    all for ``False``, the first the backward reads for ``"except_last"``."""
+    if mode == "except_last":
+        return first_backward_reads(gm, groups, bwd)
+    if mode is False:
+        return set(range(len(groups)))
+    return set()
+
+
+def plan_key(ctx: PassContext, groups: list[GatherGroup]) -> tuple:
+    """The key of one graph's keep plan: its function (Dynamo code id) and a digest
+    of its gathers' sizes (a graph break splits one function into several graphs,
+    told apart by their gathers)."""
+    sig = tuple((g.wire_bytes, g.held_bytes) for g in groups)
+    digest = hashlib.sha1(repr(sig).encode()).hexdigest()[:16]
+    return (ctx.frame.code_id if ctx.frame.code_id is not None else f"frame {ctx.frame_id}", digest)
+
+
+def reserved_bytes(ctx: PassContext, groups: list[GatherGroup]) -> tuple[int, int]:
+    """(optimizer reserve, gathered bytes other compiled functions keep): what the
+    default budget (``memory_budget="auto"``) leaves free for memory no joint graph
+    estimate sees; (0, 0) under an explicit budget. ``remat`` and this pass plan
+    under the same room."""
+    if ctx.config.memory_budget != "auto":
+        return 0, 0
+    key = plan_key(ctx, groups)
+    return optimizer_reserve(groups), sum(b for k, b in SESSION.kept_gather_bytes.items() if k != key)
+
+
 def regather_cost_per_byte(g: GatherGroup) -> float:
     return (LATENCY_S + g.wire_bytes / BANDWIDTH_BPS) / max(g.held_bytes, 1)
 
 
-def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx: PassContext | None = None
-                ) -> tuple[set[int], memory.MemoryEstimate, str | None]:
+def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx: PassContext | None = None,
+                recompute: list[fx.Node] | tuple = ()) -> tuple[set[int], memory.MemoryEstimate, str | None]:
     """``reshard_after_forward="auto"``: indices of groups to keep, the estimate
     of the chosen plan, and the reason when the budget is infeasible.
 
@@ -266,11 +307,17 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
     each remaining group is tried, except one read in the backward and at least as
     large as such a group that did not fit (a kept gather lives from its forward
     use to its backward use, across the peak, so a larger one would not fit either;
-    a gather the backward never reads costs nothing kept and is always tried)."""
+    a gather the backward never reads costs nothing kept and is always tried).
+    ``recompute``: the nodes the partitioner recomputes as tagged (the user's
+    checkpointing, ``remat``'s plan), for every estimate."""
     bwd = memory.backward_nodes(gm)
     roots = [g.roots() for g in groups]
     everything = set().union(*roots) if roots else set()
-    est = memory.estimate(gm, everything, bwd)
+
+    def estimate(reshard: set[fx.Node]) -> memory.MemoryEstimate:
+        return memory.estimate(gm, reshard, bwd, recompute=recompute)
+
+    est = estimate(everything)
     if est.peak_bytes > budget:
         reason = (f"memory_budget={budget} bytes is infeasible: the estimated peak with every gathered "
                   f"parameter resharded is {est.peak_bytes} bytes (at {est.peak_node}); resharding everything")
@@ -281,7 +328,7 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
         return everything - set().union(set(), *(roots[i] for i in kept_idx))
 
     n_est = 1
-    e = memory.estimate(gm, resharded(order), bwd)
+    e = estimate(resharded(order))
     n_est += 1
     if e.peak_bytes <= budget:
         if ctx is not None:
@@ -291,7 +338,7 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
     best = est
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        e = memory.estimate(gm, resharded(order[:mid]), bwd)
+        e = estimate(resharded(order[:mid]))
         n_est += 1
         if e.peak_bytes <= budget:
             lo, best = mid, e
@@ -307,7 +354,7 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
         if read_in_bwd[i] and groups[i].held_bytes >= failed_min:
             continue
         trial = reshard - roots[i]
-        e = memory.estimate(gm, trial, bwd)
+        e = estimate(trial)
         n_est += 1
         if e.peak_bytes <= budget:
             kept.add(i)
@@ -319,7 +366,7 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
     return kept, est, None
 
 
-@register_pass("schedule_free", stages=("joint",), after=("fuse_allgather_downcast", "bucket_collectives"))
+@register_pass("schedule_free", stages=("joint",), after=("fuse_allgather_downcast", "bucket_collectives", "remat"))
 def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.stage != "joint" or not _compat.is_joint_graph(gm):
         return ctx.unchanged(gm, "no backward in this graph (inference): nothing to free for")
@@ -330,38 +377,38 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     Policy = _compat.checkpoint_policy()
     mode = ctx.config.reshard_after_forward
     reason = None
+    # what the partitioner recomputes as tagged (user checkpointing, remat's plan): the
+    # estimates below count those activations as freed, not saved
+    recompute = memory.tagged_recompute(gm, exclude=decided_nodes(groups, bwd))
+
+    def estimate(kept: set[int]) -> memory.MemoryEstimate:
+        return memory.estimate(gm, resharded_roots(groups, kept), bwd, recompute=recompute)
+
     if mode == "auto":
         budget = memory.resolve_budget(ctx.config.memory_budget, gm)
         if budget is None:
             kept = set()
             ctx.note("reshard_after_forward='auto' without a memory budget (the CPU default): nothing is known of "
                      "the memory left, so every gathered parameter is resharded")
-            est = memory.estimate(gm, resharded_roots(groups, kept), bwd)
+            est = estimate(kept)
         else:
             default_budget = ctx.config.memory_budget == "auto"
-            sig = tuple((g.wire_bytes, g.held_bytes) for g in groups)
-            # one plan per graph of a function (a graph break splits one Dynamo frame
-            # into several graphs: told apart by their gathers)
-            digest = hashlib.sha1(repr(sig).encode()).hexdigest()[:16]
-            key = (ctx.frame.code_id if ctx.frame.code_id is not None else f"frame {ctx.frame_id}", digest)
+            key = plan_key(ctx, groups)  # one plan per graph of a function
             prior = SESSION.keep_plans.get(key)
             if prior is not None:
                 # a recompile (a new input shape, perhaps on this rank alone): the
                 # function's first plan, so that every rank's graphs of it issue the
                 # same gathers whatever shapes each rank compiled for
                 kept = set(prior)
-                est = memory.estimate(gm, resharded_roots(groups, kept), bwd)
+                est = estimate(kept)
                 ctx.count("keep_plan_reused")
                 ctx.note(f"reshard_after_forward='auto': the plan of this function's first compile reused "
                          f"({len(kept)} of {len(groups)} gathers kept), so ranks that recompile for different "
                          f"shapes issue the same collectives; estimated peak {est.peak_bytes} bytes"
                          + (f", over the budget of {budget}" if est.peak_bytes > budget else ""))
             else:
-                reserve = others = 0
-                if default_budget:  # room for what the default budget cannot see
-                    reserve = optimizer_reserve(groups)
-                    others = sum(b for k, b in SESSION.kept_gather_bytes.items() if k != key)
-                kept, est, reason = choose_kept(gm, groups, budget - reserve - others, ctx)
+                reserve, others = reserved_bytes(ctx, groups)  # room for what the default budget cannot see
+                kept, est, reason = choose_kept(gm, groups, budget - reserve - others, ctx, recompute)
                 if reason is not None and (reserve or others) and est.peak_bytes <= budget:
                     # the graph fits the budget; only the room left for the optimizer
                     # and the other frames is short: nothing to keep, nothing to warn of
@@ -370,14 +417,14 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                              f"{est.peak_bytes} bytes with every gather resharded, budget {budget} less "
                              f"{reserve + others} bytes reserved); every gather resharded")
                 if ctx.frame.code_id is not None:  # (a Dynamo frame: its peers compile it too)
-                    agreed = agreement.agree_kept(gu.collective_group(groups[0].coll), f"{key[0]}/{digest}",
+                    agreed = agreement.agree_kept(gu.collective_group(groups[0].coll), str(key[0]), key[1],
                                                   sorted(kept), len(groups), ctx.config)
                     if len(agreed) != len(kept):
                         ctx.note(f"reshard_after_forward='auto': {len(kept)} gathers fit this rank's estimate, "
                                  f"{len(agreed)} every rank's: keeping those (the ranks' first inputs differ)")
                         ctx.count("keep_agreed_fewer", len(kept) - len(agreed))
                         kept = set(agreed)
-                        est = memory.estimate(gm, resharded_roots(groups, kept), bwd)
+                        est = estimate(kept)
                 SESSION.keep_plans[key] = frozenset(kept)
                 if default_budget:
                     ctx.count("optimizer_reserve_bytes", reserve)
@@ -402,7 +449,7 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                      "reshard_after_forward='except_last': the backward reads no gathered parameter")
         else:
             kept = set() if mode else set(range(len(groups)))
-        est = memory.estimate(gm, resharded_roots(groups, kept), bwd)
+        est = estimate(kept)
     n_tagged = 0
     for i, g in enumerate(groups):
         policy = Policy.MUST_SAVE if i in kept else Policy.MUST_RECOMPUTE

@@ -311,9 +311,9 @@ def _train_sharded(rank, world, options, ckpt, steps=3):
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total)
-    recs = [p for f in graphcomp.frame_summaries() for p in f["stages"].get("joint", {}).get("passes", [])
-            if p["name"] == "remat"]
-    return losses, full_state_dict(m), dict(graphcomp.counters), recs
+    joint = [p for f in graphcomp.frame_summaries() for p in f["stages"].get("joint", {}).get("passes", [])]
+    recs = [p for p in joint if p["name"] == "remat"]
+    return losses, full_state_dict(m), dict(graphcomp.counters), recs, [p for p in joint if p["name"] == "schedule_free"]
 
 
 def _sharded_runs(rank, world):
@@ -325,6 +325,10 @@ def _sharded_runs(rank, world):
     tight = (counts["estimated_peak_before"] + counts["estimated_peak_after"]) // 2
     out["auto_fits"] = probe
     out["auto_tight"] = _train_sharded(rank, world, {**base, "remat": "auto", "memory_budget": tight}, ckpt)
+    # room for every activation with the gathers re-gathered, not for the gathers too:
+    # remat plans first, so the activations are saved and schedule_free keeps less
+    out["auto_acts_first"] = _train_sharded(
+        rank, world, {**base, "remat": "auto", "memory_budget": counts["estimated_peak_after"]}, ckpt)
     out["respect_tight"] = _train_sharded(
         rank, world, {**base, "remat": "respect_user", "memory_budget": counts["estimated_peak_before"] - 4096}, (1, 3))
     out["respect_off"] = _train_sharded(rank, world, {**base, "passes": {"remat": False}}, (1, 3))
@@ -339,7 +343,7 @@ def test_sharded_2ranks_checkpoint_bitwise_and_one_frame(tmp_path):
 
     results = run_distributed(_sharded_runs, 2, timeout=600)
     for out in results:
-        for name, (losses, params, counters, recs) in out.items():
+        for name, (losses, params, counters, recs, _) in out.items():
             assert counters["frames_compiled"] == 1, (name, counters)
             ref = out["respect_off"] if name.startswith("respect") else out["off"]
             assert torch.equal(torch.stack(losses), torch.stack(ref[0])), name
@@ -349,6 +353,10 @@ def test_sharded_2ranks_checkpoint_bitwise_and_one_frame(tmp_path):
         assert out["auto_tight"][2]["activations_recomputed"] > 0
         assert out["auto_tight"][2]["user_checkpoint_saved"] > 0
         assert out["respect_tight"][2]["activations_recomputed"] > 0
+        fits, first = out["auto_fits"], out["auto_acts_first"]
+        assert first[3][0]["counts"]["user_kept"] == fits[3][0]["counts"]["user_kept"] > 0
+        assert first[3][0]["counts"]["recomputed"] == 0
+        assert first[4][0]["counts"]["gathers_kept"] < fits[4][0]["counts"]["gathers_kept"], (first[4], fits[4])
     # the same plan on both ranks
     for name in results[0]:
         assert [r["counts"] for r in results[0][name][3]] == [r["counts"] for r in results[1][name][3]], name

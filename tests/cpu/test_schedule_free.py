@@ -270,6 +270,74 @@ def test_auto_with_no_room_after_the_reserve_reshards_without_a_warning(monkeypa
     assert any("no room to keep gathers" in n for n in rec.notes) and not caplog.records
 
 
+def test_remat_plans_under_the_same_room_as_schedule_free(monkeypatch):
+    """Under the default budget, remat (which plans first) subtracts the optimizer
+    reserve too: its budget is the room schedule_free keeps gathers in; under an
+    explicit budget neither subtracts anything."""
+    from graphcomp import memory
+
+    gm = _joint_like([8, 8], [True, True])
+    groups = sf.gather_groups(gm, memory.backward_nodes(gm))
+    reserve = sf.optimizer_reserve(groups)
+    budget = 10**7
+    monkeypatch.setattr(memory, "resolve_budget", lambda b, g: budget if b in ("auto", budget) else int(b))
+    _, rec = run_pass("remat", gm, code_id=11, memory_budget="auto")
+    assert rec.counts["budget_bytes"] == budget - reserve and rec.counts["optimizer_reserve_bytes"] == reserve
+    _, rec = run_pass("remat", _joint_like([8, 8], [True, True]), code_id=12, memory_budget=budget)
+    assert rec.counts["budget_bytes"] == budget and "optimizer_reserve_bytes" not in rec.counts
+
+
+def _joint_with_activation():
+    """A joint-shaped graph with one large forward activation the backward reads
+    (tanh's output, 64 KiB) and one small gathered weight (1 KiB) the backward reads."""
+
+    def f(x, tangents_1, shard):
+        w = gather(shard, 2, "g", shape=(16, 16))
+        h = x @ w.t()
+        a = torch.tanh(h)
+        s = a.sum()
+        big = torch.ones(16 * 4096) * s  # the forward peak, while `a` is live when saved (256 KiB)
+        loss = s + big.sum()
+        g = tangents_1 * a  # backward: reads the activation
+        return loss, g @ w
+
+    gm = trace(f, torch.randn(1024, 16), torch.randn(1024, 16), torch.randn(8, 16))
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    phs[1]._rename("tangents_1")
+    gm.recompile()
+    return gm
+
+
+def test_user_checkpointing_is_freed_in_the_keep_estimate():
+    """schedule_free's estimates count what the partitioner recomputes as tagged (a
+    user checkpoint region): the activation it frees makes room for the gather
+    under a budget that does not fit both."""
+    gm = _joint_with_activation()
+    bwd = memory.backward_nodes(gm)
+    (group,) = gather_groups(gm, bwd)
+    decided = sf.decided_nodes([group], bwd)
+    assert memory.tagged_recompute(gm, exclude=decided) == []
+    P = _compat.checkpoint_policy()
+    region = [n for n in gm.graph.nodes if n.op == "call_function" and n not in bwd and n not in decided
+              and n.target in (torch.ops.aten.mm.default, torch.ops.aten.tanh.default)]
+    assert len(region) == 2
+    for n in [*region, group.coll]:  # the region spans the gather: schedule_free still decides it
+        n.meta["recompute"], n.meta["ac_graph_id"] = P.PREFER_RECOMPUTE, 1
+    rec = memory.tagged_recompute(gm, exclude=decided)
+    assert rec == region
+    resh = group.roots()
+    saved = memory.estimate(gm, resh, bwd).peak_bytes
+    freed = memory.estimate(gm, resh, bwd, recompute=rec).peak_bytes
+    kept_freed = memory.estimate(gm, set(), bwd, recompute=rec).peak_bytes
+    assert freed < saved and kept_freed <= saved, (freed, kept_freed, saved)
+    kept, _, reason = choose_kept(gm, [group], saved)  # as if the region's activations were saved
+    kept_r, est, reason_r = choose_kept(gm, [group], saved, recompute=rec)
+    assert reason is None and reason_r is None and est.peak_bytes <= saved
+    assert kept == set() and kept_r == {0}
+    gm2, recd = run_pass("schedule_free", gm, reshard_after_forward="auto", memory_budget=kept_freed)
+    assert recd.counts["gathers_kept"] == 1 and recd.counts["estimated_peak_bytes"] == kept_freed
+
+
 def test_auto_recompile_reuses_the_first_plan_whatever_its_shapes(monkeypatch):
     """A rank that recompiles alone for a new shape must issue its peers' gathers: the
     function's first plan is reused even where the new estimate would decide
