@@ -33,6 +33,14 @@ through it and need not). For an op of the ``_c10d_functional`` namespace:
 
 Collectives of the ``c10d`` namespace (``torch.distributed`` called inside a piece,
 returning a ``Work``) cannot be stood in for and run as before.
+
+Higher-order operators pass through (``supports_higher_order_operators``; without
+it any HOP in a piece raised ``NotImplementedError`` and failed its capture: W3 on
+4 H100s, 2026-11-26, Inductor's ``graphsafe_run_with_rng_state`` around the cuDNN
+attention that the user's activation checkpointing recomputes). One that wraps a
+functional collective (an op or a subgraph of the ``_c10d_functional`` namespace)
+raises instead: the mode cannot reach inside it, and running it would issue a
+collective alone; the piece then fails its capture and runs eagerly, as before.
 """
 
 from __future__ import annotations
@@ -70,7 +78,26 @@ def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     return torch.device("cpu")
 
 
+def _wraps_collective(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True when a higher-order operator's arguments hold a functional collective:
+    an op of that namespace, or a graph module calling one."""
+    import torch.fx as fx
+
+    def is_coll(t: Any) -> bool:
+        return getattr(t, "namespace", None) == "_c10d_functional"
+
+    for a in (*args, *kwargs.values()):
+        if is_coll(a):
+            return True
+        if isinstance(a, fx.GraphModule) and any(n.op == "call_function" and is_coll(n.target)
+                                                 for n in a.graph.nodes):
+            return True
+    return False
+
+
 class _CollectivesNotRun(TorchDispatchMode):
+    supports_higher_order_operators = True  # HOPs reach __torch_dispatch__ (module docstring)
+
     def __init__(self, warmed: set[str] | None):
         super().__init__()
         self.warmed = warmed
@@ -80,6 +107,12 @@ class _CollectivesNotRun(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            if _wraps_collective(args, kwargs):
+                raise NotImplementedError(
+                    f"graphcomp: the higher-order operator {func.name()} wraps a functional collective, which "
+                    "the CUDA-graph warm-up cannot stand in for (it would run on this rank alone)")
+            return func(*args, **kwargs)
         if func.namespace != "_c10d_functional":
             return func(*args, **kwargs)
         base = func._schema.name.split("::", 1)[1]

@@ -115,3 +115,24 @@ def test_capture_failure_names_the_piece_line_not_the_stand_in():
     where = failing_source(info.value)
     assert where is not None and "_compat_collectives" not in where, where
     assert "torch.mm" in where, where
+
+
+def test_higher_order_operators_pass_through_the_stand_in():
+    """A higher-order operator in a piece runs under the warm-up's mode (W3 on 4
+    H100s, b5e65ab: Inductor's graphsafe_run_with_rng_state around a recomputed cuDNN
+    attention raised NotImplementedError in every warm-up, and both pieces ran
+    eagerly); one that wraps a functional collective raises, so the piece fails its
+    capture instead of issuing the collective alone."""
+    from torch._prims.rng_prims import graphsafe_run_with_rng_state
+
+    from graphcomp import _compat
+
+    x = torch.randn(3)
+    with _compat.collectives_not_run(None) as mode:
+        out = torch.ops.higher_order.cond(torch.tensor(True), lambda a: a + 1, lambda a: a - 1, (x,))
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    assert torch.equal(out, x + 1) and mode.stood_in == 0
+    with pytest.raises(NotImplementedError, match="wraps a functional collective"), \
+            _compat.collectives_not_run(None):
+        graphsafe_run_with_rng_state(torch.ops._c10d_functional.all_reduce.default, torch.ones(2), "sum", "0",
+                                     rng_state=torch.get_rng_state())

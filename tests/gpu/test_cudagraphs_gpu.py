@@ -83,6 +83,65 @@ def test_item_model_is_partitioned_and_correct(codegen):
     assert c["captures"] >= 2 and c["replays"] >= 6, dict(c)
 
 
+class _AttnBlock(torch.nn.Module):
+    def __init__(self, d=256, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.out = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
+class _CheckpointedAttention(torch.nn.Module):
+    """Two attention blocks, each under torch.utils.checkpoint (as W3's): the backward
+    recomputes SDPA, which Inductor wraps in graphsafe_run_with_rng_state."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_AttnBlock() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+        return x.float().pow(2).mean()
+
+
+def _ckpt_train(options, steps=5):
+    torch._dynamo.reset()
+    graphcomp.reset()
+    torch.manual_seed(0)
+    m = _CheckpointedAttention().cuda().to(torch.bfloat16)
+    cm = torch.compile(m, backend="graphcomp", options=options)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    losses = []
+    for s in range(steps):
+        x = torch.randn(2, 1024, 256, device="cuda", dtype=torch.bfloat16,
+                        generator=torch.Generator("cuda").manual_seed(s))
+        loss = cm(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), dict(graphcomp.counters)
+
+
+def test_checkpointed_attention_is_captured():
+    """W3 on 4 H100s (b5e65ab): with the user's checkpointing, every warm-up of both
+    pieces raised NotImplementedError on Inductor's graphsafe_run_with_rng_state (the
+    recomputed cuDNN attention) under the warm-up's dispatch mode, and both ran
+    eagerly. Now they are captured and replayed, with the losses of cudagraphs="off"."""
+    ref, _ = _ckpt_train({"cudagraphs": "off"})
+    losses, c = _ckpt_train({})
+    assert c.get("capture_failures", 0) == 0 and c.get("pieces_eager", 0) == 0, c
+    assert c.get("captures", 0) >= 2 and c.get("replays", 0) > 0, c
+    assert torch.equal(losses, ref), (losses, ref)
+
+
 def test_require_raises_for_item_model():
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         m = ItemMLP().cuda()
