@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from _graphs import gather, run_pass, trace, world1_group
@@ -495,3 +495,78 @@ def test_small_reads_of_a_gathered_parameter_are_left_to_the_partitioner():
         cf, got = _compile(f, ["schedule_free"], reshard_after_forward=True)
         _run(cf, _expert_inputs(tokens=4))
     assert "expanding_reads" not in got["records"]["schedule_free"].counts
+
+
+def _layers_joint(rows, ckpt):
+    """A joint-shaped graph of len(rows) layers: layer i gathers a weight (rows[i] x 16
+    fp32 per rank, 2 ranks) and makes an activation (1024 x 16) the backward reads;
+    layers in ``ckpt`` are tagged as a user checkpoint region would tag them."""
+    world = 2
+
+    def f(x, tangents_1, *shards):
+        ws = [gather(s, world, "g", shape=(world * s.shape[0], 16)) for s in shards]
+        h, acts = x, []
+        for w in ws:
+            h = torch.tanh(h @ w[:16, :16])
+            acts.append(h)
+        loss = h.sum()
+        g = tangents_1
+        for w, a in zip(reversed(ws), reversed(acts)):
+            g = (g * a) @ w[:16, :16].t()  # reads the activation and the gathered weight
+        return loss, g
+
+    shards = [torch.randn(n, 16) for n in rows]
+    gm = trace(f, torch.randn(1024, 16), torch.randn(1024, 16), *shards)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    phs[1]._rename("tangents_1")
+    gm.recompile()
+    P = _compat.checkpoint_policy()
+    bwd = memory.backward_nodes(gm)
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default and n not in bwd]
+    for i, mm in enumerate(mms):
+        if i in ckpt:
+            for n in (mm, *mm.users):  # the matmul and its tanh
+                n.meta["recompute"], n.meta["ac_graph_id"] = P.PREFER_RECOMPUTE, i + 1
+    gm.recompile()
+    return gm
+
+
+def _final_estimate(gm):
+    """The estimate of the graph as the partitioner will see it: schedule_free's
+    resharded gathers, every other recompute tag (user regions, remat's)."""
+    bwd = memory.backward_nodes(gm)
+    groups = gather_groups(gm, bwd)
+    resh = set().union(set(), *(g.roots() for g in groups if g.coll.meta.get("graphcomp_reshard")))
+    rec = memory.tagged_recompute(gm, exclude=sf.decided_nodes(groups, bwd))
+    return memory.estimate(gm, resh, bwd, recompute=rec).peak_bytes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.lists(st.sampled_from([8, 64, 512]), min_size=2, max_size=4),
+    ckpt=st.sets(st.integers(0, 3)),
+    mode=st.sampled_from(["auto", "respect_user"]),
+    frac=st.floats(min_value=0.0, max_value=1.3),
+)
+def test_property_remat_then_schedule_free_meet_the_budget(rows, ckpt, mode, frac):
+    """remat (gathers modelled re-gathered) then schedule_free (gathers kept in the
+    room left): when neither reports the budget infeasible, the graph as finally
+    tagged is estimated under the budget; the same graph gets the same tags."""
+    lo_gm = _layers_joint(rows, ckpt)
+    groups = gather_groups(lo_gm, memory.backward_nodes(lo_gm))
+    everything = set().union(*(g.roots() for g in groups))
+    lo = int(0.9 * memory.estimate(lo_gm, everything).peak_bytes)  # (gathers resharded, activations saved)
+    hi = memory.estimate(lo_gm).peak_bytes  # everything kept
+    budget = max(1, int(lo + frac * (hi - lo)))
+    tags = []
+    for _ in range(2):
+        gm = _layers_joint(rows, ckpt)
+        gm, r = run_pass("remat", gm, remat=mode, memory_budget=budget)
+        gm, s = run_pass("schedule_free", gm, memory_budget=budget)
+        feasible = "budget_infeasible" not in r.counts and "budget_infeasible" not in s.counts
+        if feasible:
+            assert _final_estimate(gm) <= budget, (r.counts, s.counts)
+        event(f"feasible={feasible}, gathers kept {s.counts.get('gathers_kept')} of {len(groups)}, "
+              f"recomputed {r.counts.get('recomputed')}")
+        tags.append([(n.name, str(n.meta.get("recompute"))) for n in gm.graph.nodes])
+    assert tags[0] == tags[1]
