@@ -152,7 +152,72 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwar
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     kwargs.setdefault("compiler", "inductor")
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    _saved_tensors_before_opaque(fw, bw)
+    return fw, bw
+
+
+def _is_opaque_val(v: Any) -> bool:
+    """A saved value AOTAutograd counts as an opaque object (not a tensor, not a symint)."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    kinds: tuple[type, ...] = (torch.ScriptObject, FakeScriptObject)
+    try:
+        from torch._opaque_base import OpaqueBase  # torch 2.13
+        kinds += (OpaqueBase,)
+    except ImportError:  # torch 2.11: no opaque objects in graphs
+        pass
+    return isinstance(v, kinds)
+
+
+def _saved_tensors_before_opaque(fw: fx.GraphModule, bw: fx.GraphModule) -> bool:
+    """Work around torch 2.13's partitioner: with a recomputed random op (the
+    attention of a ``torch.utils.checkpoint`` region) it appends the saved RNG
+    states to the forward's outputs before the saved symints but after the saved
+    opaque objects (a DTensor's ``DeviceMesh``, saved because the backward returns
+    it with the gradients), while AOTAutograd slices the saved values as [tensors,
+    opaque objects, symints]: the mesh lands among the tensors and the first forward
+    fails in ``save_from_forward`` ("expected all tensors_saved_with_vc_check to be
+    Tensors"). Moves such tensors before the first opaque object, in the forward's
+    outputs and the backward's inputs alike, only when the backward's saved inputs
+    mirror the forward's saved outputs position by position (type, and name apart
+    from the RNG states); otherwise leaves both as they are. True when it moved any."""
+    out_node = next(iter(fw.graph.find_nodes(op="output")))
+    outs = list(out_node.args[0])
+    phs = [n for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    n = len(phs)
+    if n == 0 or n > len(outs):
+        return False
+    saved = outs[len(outs) - n:]
+
+    def val(x: Any) -> Any:
+        return x.meta.get("val") if isinstance(x, fx.Node) else None
+
+    kinds = ["opaque" if _is_opaque_val(val(x)) else "tensor" if isinstance(val(x), torch.Tensor) else "other"
+             for x in saved]
+    if "opaque" not in kinds:
+        return False
+    first = kinds.index("opaque")
+    late = [i for i in range(first, n) if kinds[i] == "tensor"]
+    if not late:
+        return False
+    for i, (x, ph) in enumerate(zip(saved, phs)):  # the backward mirrors the forward's saved values
+        k = "opaque" if _is_opaque_val(val(ph)) else "tensor" if isinstance(val(ph), torch.Tensor) else "other"
+        if k != kinds[i] or (i not in late and isinstance(x, fx.Node) and x.name != ph.name):
+            return False
+    order = list(range(first)) + late + [i for i in range(first, n) if i not in late]
+    fw.graph.output(tuple(outs[: len(outs) - n]) + tuple(saved[i] for i in order))
+    fw.graph.erase_node(out_node)
+    # the backward's inputs are its placeholders in graph order: put the saved ones first, reordered
+    new_phs = [phs[i] for i in order]
+    head = next(iter(bw.graph.nodes))
+    if new_phs[0] is not head:
+        head.prepend(new_phs[0])
+    for prev, ph in zip(new_phs, new_phs[1:]):
+        prev.append(ph)
+    fw.recompile()
+    bw.recompile()
+    return True
 
 
 def make_boxed_func(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -261,16 +326,56 @@ def inductor_patches(joint_hook: Any, *, no_donated_buffers: bool = False) -> It
     runner executes a piece several times on the same inputs (warm-up, capture,
     replay), so every run after the first would read clobbered inputs (seen on 2
     H200s: wrong first-step gradients, 1.2e-2 parameter error). Off when graphcomp
-    captures."""
+    captures.
+
+    Inductor's partitioner is ``min_cut_rematerialization_partition`` followed by
+    :func:`_saved_tensors_before_opaque` (``config.custom_partitioner_fn``, where
+    this torch has it and the user set none), as the eager codegen's
+    :func:`min_cut_partition`."""
     import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
 
     fpatches: dict[str, Any] = {}
     if hasattr(fconfig, "enable_autograd_cache"):
         fpatches["enable_autograd_cache"] = False
     if no_donated_buffers and hasattr(fconfig, "donated_buffer"):
         fpatches["donated_buffer"] = False
-    with inductor_cache_key(joint_hook), fconfig.patch(fpatches):
+    ipatches: dict[str, Any] = {}
+    if getattr(iconfig, "custom_partitioner_fn", "absent") is None:
+        part = _ordered_partitioner()
+        if part is not None:
+            ipatches["custom_partitioner_fn"] = part
+    with inductor_cache_key(joint_hook), fconfig.patch(fpatches), iconfig.patch(ipatches):
         yield
+
+
+_PARTITIONER: list[Any] = []
+
+
+def _ordered_partitioner() -> Any:
+    """Inductor's partitioner with :func:`_saved_tensors_before_opaque` after it (one
+    instance per process), or None where this torch has no ``CustomPartitionerFn``."""
+    if _PARTITIONER:
+        return _PARTITIONER[0]
+    try:
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+    except ImportError:
+        return None
+
+    class OrderedPartitioner(CustomPartitionerFn):  # type: ignore[misc,valid-type]
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
+                     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+            from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+            _saved_tensors_before_opaque(fw, bw)
+            return fw, bw
+
+        def uuid(self) -> Any:
+            return get_hash_for_files((__file__,))
+
+    _PARTITIONER.append(OrderedPartitioner())
+    return _PARTITIONER[0]
 
 
 @contextlib.contextmanager
