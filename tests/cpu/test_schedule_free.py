@@ -558,8 +558,11 @@ def test_property_remat_then_schedule_free_meet_the_budget(rows, ckpt, mode, fra
     lo = int(0.9 * memory.estimate(lo_gm, everything).peak_bytes)  # (gathers resharded, activations saved)
     hi = memory.estimate(lo_gm).peak_bytes  # everything kept
     budget = max(1, int(lo + frac * (hi - lo)))
+    import graphcomp
+
     tags = []
     for _ in range(2):
+        graphcomp.reset()  # (a plan kept from an earlier example would be reused: a recompile's rule)
         gm = _layers_joint(rows, ckpt)
         gm, r = run_pass("remat", gm, remat=mode, memory_budget=budget)
         gm, s = run_pass("schedule_free", gm, memory_budget=budget)
