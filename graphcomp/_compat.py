@@ -190,11 +190,11 @@ def _saved_tensors_before_opaque(fw: fx.GraphModule, bw: fx.GraphModule) -> bool
         return False
     saved = outs[len(outs) - n:]
 
-    def val(x: Any) -> Any:
-        return x.meta.get("val") if isinstance(x, fx.Node) else None
+    def kind(x: Any) -> str:
+        v = x.meta.get("val") if isinstance(x, fx.Node) else None
+        return "opaque" if _is_opaque_val(v) else "tensor" if isinstance(v, torch.Tensor) else "other"
 
-    kinds = ["opaque" if _is_opaque_val(val(x)) else "tensor" if isinstance(val(x), torch.Tensor) else "other"
-             for x in saved]
+    kinds = [kind(x) for x in saved]
     if "opaque" not in kinds:
         return False
     first = kinds.index("opaque")
@@ -202,8 +202,7 @@ def _saved_tensors_before_opaque(fw: fx.GraphModule, bw: fx.GraphModule) -> bool
     if not late:
         return False
     for i, (x, ph) in enumerate(zip(saved, phs)):  # the backward mirrors the forward's saved values
-        k = "opaque" if _is_opaque_val(val(ph)) else "tensor" if isinstance(val(ph), torch.Tensor) else "other"
-        if k != kinds[i] or (i not in late and isinstance(x, fx.Node) and x.name != ph.name):
+        if kind(ph) != kinds[i] or (i not in late and isinstance(x, fx.Node) and x.name != ph.name):
             return False
     order = list(range(first)) + late + [i for i in range(first, n) if i not in late]
     fw.graph.output(tuple(outs[: len(outs) - n]) + tuple(saved[i] for i in order))
@@ -349,14 +348,10 @@ def inductor_patches(joint_hook: Any, *, no_donated_buffers: bool = False) -> It
         yield
 
 
-_PARTITIONER: list[Any] = []
-
-
+@functools.cache
 def _ordered_partitioner() -> Any:
-    """Inductor's partitioner with :func:`_saved_tensors_before_opaque` after it (one
-    instance per process), or None where this torch has no ``CustomPartitionerFn``."""
-    if _PARTITIONER:
-        return _PARTITIONER[0]
+    """:func:`min_cut_partition` as Inductor's ``CustomPartitionerFn`` (one instance
+    per process), or None where this torch has no such class."""
     try:
         from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
     except ImportError:
@@ -365,17 +360,12 @@ def _ordered_partitioner() -> Any:
     class OrderedPartitioner(CustomPartitionerFn):  # type: ignore[misc,valid-type]
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
                      ) -> tuple[fx.GraphModule, fx.GraphModule]:
-            from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-            _saved_tensors_before_opaque(fw, bw)
-            return fw, bw
+            return min_cut_partition(gm, joint_inputs, **kwargs)
 
         def uuid(self) -> Any:
             return get_hash_for_files((__file__,))
 
-    _PARTITIONER.append(OrderedPartitioner())
-    return _PARTITIONER[0]
+    return OrderedPartitioner()
 
 
 @contextlib.contextmanager

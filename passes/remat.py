@@ -402,8 +402,8 @@ def plan(gm: fx.GraphModule, budget: int, mode: str, decided: set[fx.Node] | fro
     bwd = backward_region(gm)
     model = _Model(gm, bwd)
     resh = set(resharded)
-    tagged = [n for n in gm.graph.nodes
-              if n in resh or (n not in decided and _compat.must_recompute(n) and not memory.partitioner_saves(n))]
+    rec = resh.union(memory.tagged_recompute(gm, exclude=decided))
+    tagged = [n for n in gm.graph.nodes if n in rec]
     _, before = model.reset(tagged)
     respect = candidates(gm, bwd, "respect_user", decided)
     chosen, est, infeasible = _add_recomputes(model, tagged, respect, budget)

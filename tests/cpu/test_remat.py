@@ -287,11 +287,26 @@ def test_end_to_end_bitwise(codegen, mode, ckpt):
 
 
 # ----------------------------------------- end to end: 2 gloo ranks, sharded + checkpoint
+def _sgd_steps(cm, opt, batches):
+    """One training step of ``cm`` per argument tuple of ``batches``; the losses summed
+    over the ranks."""
+    import torch.distributed as dist
+
+    losses = []
+    for args in batches:
+        loss = cm(*args)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total)
+    return losses
+
+
 def _train_sharded(rank, world, options, ckpt, steps=3):
     """Sharded training of _Net (each rank its half of the batch); returns losses,
     full parameters, counters and the remat records of every frame."""
-    import torch.distributed as dist
-
     from graphcomp.sharding import full_state_dict
 
     torch._dynamo.reset()
@@ -301,16 +316,8 @@ def _train_sharded(rank, world, options, ckpt, steps=3):
     graphcomp.shard(m)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     cm = torch.compile(m, backend="graphcomp", options=options)
-    losses = []
-    for step in range(steps):
-        x = torch.randn(128, 16, generator=torch.Generator().manual_seed(step))[rank::world]
-        loss = cm(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total)
+    losses = _sgd_steps(cm, opt, [(torch.randn(128, 16, generator=torch.Generator().manual_seed(step))[rank::world],)
+                                  for step in range(steps)])
     joint = [p for f in graphcomp.frame_summaries() for p in f["stages"].get("joint", {}).get("passes", [])]
     recs = [p for p in joint if p["name"] == "remat"]
     return losses, full_state_dict(m), dict(graphcomp.counters), recs, [p for p in joint if p["name"] == "schedule_free"]
@@ -477,8 +484,6 @@ def test_auto_policy_properties(widths, layers, frac):
 def _llama_steps(rank, world, ckpt, codegen, steps=3):
     from dataclasses import replace
 
-    import torch.distributed as dist
-
     from graphcomp.models import PRESETS, Llama
     from graphcomp.sharding import full_state_dict
     from benchmarks.workloads import CheckpointedBlock
@@ -494,16 +499,9 @@ def _llama_steps(rank, world, ckpt, codegen, steps=3):
     graphcomp.shard(m)
     cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen})
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    losses = []
-    for s in range(steps):
-        tok = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(10 * s + rank))
-        loss = cm(tok, tok)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total)
+    toks = [torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(10 * s + rank))
+            for s in range(steps)]
+    losses = _sgd_steps(cm, opt, [(t, t) for t in toks])
     state = {k.replace("block.", ""): v for k, v in full_state_dict(m).items()}
     return torch.stack(losses), state, dict(graphcomp.counters)
 
