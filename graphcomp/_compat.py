@@ -365,6 +365,12 @@ def _ordered_partitioner() -> Any:
         def uuid(self) -> Any:
             return get_hash_for_files((__file__,))
 
+        def __reduce__(self) -> Any:
+            # Inductor pickles its config (this object included) into the FX-graph
+            # cache key: a local class cannot be pickled, which bypassed the cache
+            # for every compile ("Failed to pickle cache key"). By reference instead.
+            return (_ordered_partitioner, ())
+
     return OrderedPartitioner()
 
 

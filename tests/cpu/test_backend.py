@@ -190,6 +190,29 @@ def test_backward_compile_keeps_graphcomp_hook_in_the_cache_key(monkeypatch):
     assert iconfig.joint_custom_pre_pass is None  # restored after each compile
 
 
+def test_inductor_fx_graph_cache_is_used(tmp_path, monkeypatch):
+    """graphcomp's Inductor compiles are cacheable: its custom partitioner (in
+    Inductor's config, which the cache key pickles) once was a local class, and
+    every compile bypassed the FX-graph cache ("Failed to pickle cache key"). A second
+    compile of the same model after a reset hits the cache for forward and backward."""
+    import torch._inductor.config as iconfig
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(iconfig, "fx_graph_cache", True)
+    monkeypatch.setattr(iconfig, "fx_graph_remote_cache", False)
+    counters.clear()
+    for _ in range(2):
+        torch._dynamo.reset()
+        graphcomp.reset()
+        torch.manual_seed(0)
+        cm = torch.compile(TinyMLP(), backend="graphcomp")
+        cm(torch.randn(4, 16)).sum().backward()
+    ind = dict(counters["inductor"])
+    assert ind.get("fxgraph_cache_bypass", 0) == 0, ind
+    assert ind.get("fxgraph_cache_miss", 0) == 2 and ind.get("fxgraph_cache_hit", 0) == 2, ind
+
+
 def test_backend_callable_is_the_package_attribute_on_every_call():
     """`graphcomp.backend` is the backend callable, also after the submodule of the
     same name was imported (it used to be rebound to the module: 'module' object is
