@@ -381,6 +381,13 @@ def build_graphcomp_remat_auto(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"remat": "auto"})
 
 
+def build_graphcomp_whole_step_flat_buckets(ctx: Ctx) -> Built:
+    """``graphcomp-whole_step`` with ``zero_copy_buckets`` off: its buckets gathered
+    into one flat buffer and copied out, gradients packed into one (W1's A/B of that
+    pass, whose default row is host-bound)."""
+    return build_graphcomp(ctx, whole_step=True, disable="zero_copy_buckets")
+
+
 def make_ablation_builder(pass_name: str):
     def build(ctx: Ctx) -> Built:
         return build_graphcomp(ctx, disable=pass_name)
@@ -485,6 +492,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-eager_optimizer": build_graphcomp_eager_optimizer,
     "graphcomp-remat_auto": build_graphcomp_remat_auto,
     "graphcomp-whole_step": build_graphcomp_whole_step,
+    "graphcomp-whole_step-flat_buckets": build_graphcomp_whole_step_flat_buckets,
     "graphcomp-inductor_memory_reorder": build_graphcomp_inductor_memory_reorder,
     "graphcomp-except_last": build_graphcomp_except_last,
     "graphcomp-embedding_exchange": build_graphcomp_embedding_exchange,

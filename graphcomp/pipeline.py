@@ -51,6 +51,7 @@ PASS_ORDER: tuple[str, ...] = (
     "remat",                    # joint: recompute activations to fit memory_budget (tags)
     "schedule_free",            # joint: reshard after forward, keep gathers in the room remat left (tags)
     "schedule_prefetch",        # fwd, bwd: move gathers early, waits late
+    "zero_copy_buckets",        # fwd, bwd: buckets as grouped collectives (no copy-out, no pack)
     "partition_graph",          # fwd, bwd: cut where CUDA graphs cannot go
     "cudagraphs",               # fwd, bwd: plan a runner per capturable piece (last)
 )

@@ -14,6 +14,9 @@ becomes, placed at the first gather of the bucket::
 ``graphcomp::pack_cast`` casts and copies every shard into the send buffer in
 one pass (it absorbs the converts that ``fuse_allgather_downcast`` inserted, and
 plain views of the shard), so a bucket gathers the fused narrow dtype too.
+The flat form is what the joint passes (``remat``, ``schedule_free``) and
+``schedule_prefetch`` match; after them ``zero_copy_buckets`` turns each bucket
+into a grouped collective with one buffer per member (no copy-out, no pack).
 
 Reduce-scatters. Consecutive gradient reduce-scatters (same group, dtype and
 reduce op) are packed the same way and issued where the last gradient of the

@@ -184,3 +184,19 @@ def test_bf16_schedule_policies_are_bitwise_equal(ranks2):
     # schedule_free resharded; schedule_prefetch reordered the forward and the backward
     # (the CPU parameters sit on a one-worker-thread gloo group: docs/heap-corruption.md)
     assert c["gathers_resharded"] > 0 and c.get("pass:schedule_prefetch:changed", 0) == 2
+
+
+def test_zero_copy_buckets_is_bitwise_the_flat_buckets(ranks2):
+    """zero_copy_buckets (on by default) only changes where each member of a bucket
+    lives: bitwise the flat buckets' training, fp32 and bf16, kept and resharded
+    gathers, eager and Inductor codegen."""
+    off = {"zero_copy_buckets": False}
+    for extra in ({"param_dtype": torch.bfloat16}, {"options": {"reshard_after_forward": False}},
+                  {"codegen": "inductor"}):
+        on = ranks2.run(_train_sharded, {"fuse": True, "bucket": True, "steps": 3, **extra})
+        flat = ranks2.run(_train_sharded, {"fuse": True, "bucket": True, "steps": 3, "passes": off, **extra})
+        for (losses, params, c), (fl, fp, fc) in zip(on, flat):
+            assert losses == fl, extra
+            for k in fp:
+                torch.testing.assert_close(params[k], fp[k], rtol=0, atol=0, msg=lambda m, k=k: f"{extra} {k}: {m}")
+            assert c["pass:zero_copy_buckets:changed"] == 2 and "pass:zero_copy_buckets:changed" not in fc
