@@ -20,6 +20,7 @@
 #   HF_SIZE           hf-* runs: --hf-size (default: the workloads' own, small)
 #   TP                tensor-parallel degree for every run (--tp; default 1): W2:2 with TP=2 is
 #                     graphcomp vs FSDP2 + TP + compile on a (1, 2) mesh
+#   FRESH_CACHE=1     every system compiles with an empty Inductor cache (--fresh-cache: cold compile)
 #   BENCH_GIT_COMMIT  the commit to record (the GPU machine's copy has no .git)
 #   BENCH_NGPU        pretend this many GPUs (dry run on a CPU machine: smoke:2 runs on gloo)
 #
@@ -54,7 +55,7 @@ est() {
     W1:ddp_compile) echo 60 ;;  W2:ddp_compile) echo 80 ;;
     W1:inductor) echo 60 ;;     W2:inductor) echo 80 ;;
     W1:graphcomp*) echo 90 ;;   W2:graphcomp*) echo 120 ;;
-    W3:graphcomp*) echo 240 ;;  W3:fsdp2_compile*) echo 180 ;;  # guesses: cold compile 115-123 s (issue 14) + ~1 s steps
+    W3:graphcomp*|W3c:graphcomp*) echo 240 ;;  W3:fsdp2_compile*) echo 180 ;;  # guesses: cold compile 115-123 s (issue 14) + ~1 s steps
     W1:deepspeed_z3) echo 30 ;; W2:deepspeed_z3) echo 45 ;;
     W1:deepcompile) echo 150 ;; W2:deepcompile) echo 180 ;;  # + ~60 s JIT build of its op, first time
     W1:simplefsdp) echo 90 ;;   W2:simplefsdp) echo 130 ;;  # guesses: one Inductor compile of the whole model
@@ -80,7 +81,7 @@ default_systems() {
     W1:1) echo "graphcomp,inductor" ;;
     W1:2) echo "graphcomp,graphcomp-whole_step,fsdp2_compile,fsdp2,ddp_compile,simplefsdp,graph_trainer,deepspeed_z3,deepcompile" ;;
     W2:2) echo "graphcomp,fsdp2_compile,ddp_compile,simplefsdp,graph_trainer,deepcompile" ;;
-    W3:*) echo "graphcomp,fsdp2_compile,fsdp2_compile-noac" ;;  # BENCHMARKS.md: fsdp2_compile with and without checkpointing
+    W3:*|W3c:*) echo "graphcomp,fsdp2_compile,fsdp2_compile-noac" ;;  # BENCHMARKS.md: fsdp2_compile with and without checkpointing
     hf-*:1) echo "graphcomp,inductor" ;;
     hf-*) echo "graphcomp,fsdp2_compile,fsdp2" ;;
     *)    echo "graphcomp,fsdp2_compile,fsdp2,ddp_compile,simplefsdp,deepspeed_z3,deepcompile" ;;
@@ -132,6 +133,7 @@ for run in "${RUNS[@]}"; do
   [ "$PROFILE" = "1" ] && [ -n "${TRACE:-}" ] && extra+=(--trace "$TRACE")
   [ -n "${HF_SIZE:-}" ] && [[ "$W" == hf-* ]] && extra+=(--hf-size "$HF_SIZE")
   [ "${TP:-1}" -gt 1 ] && extra+=(--tp "$TP")
+  [ "${FRESH_CACHE:-0}" = "1" ] && extra+=(--fresh-cache)
   CUDA_VISIBLE_DEVICES=$devs timeout -k 20 $(( L - 10 )) \
     python3 -m torch.distributed.run --standalone --nproc-per-node "$N" -m benchmarks.run \
       --workload "$W" --warmup "$WARMUP" --steps "$STEPS" --systems "$S" --out-dir "$RES" \

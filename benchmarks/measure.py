@@ -303,6 +303,38 @@ def dynamo_stats() -> dict[str, int]:
     }
 
 
+def compile_phase_seconds() -> dict[str, float]:
+    """Cumulative seconds per timed compile phase of this process (Dynamo's
+    ``dynamo_timed`` regions: tracing, AOTAutograd, Inductor lowering, codegen,
+    waiting for Triton's compile workers, ...), by phase name; diff two snapshots
+    for one system's first step. Nested phases overlap (a sum is not a total)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except Exception:  # noqa: BLE001
+        return {}
+    return {k: float(sum(v)) for k, v in dict(compilation_time_metrics).items()}
+
+
+def graphcomp_pass_seconds() -> dict[str, float]:
+    """Seconds graphcomp's passes took so far in this process, per pass (all frames and
+    stages), plus the collective verifier's (``verify``), the compile-time rank
+    agreement's (``rank_agreement``) and the frames' recorded compile seconds
+    (``frame_compile``); {} without graphcomp."""
+    try:
+        from graphcomp.session import SESSION
+    except Exception:  # noqa: BLE001
+        return {}
+    out: dict[str, float] = {}
+    for f in SESSION.frames.to_json():
+        out["frame_compile"] = out.get("frame_compile", 0.0) + float(f.get("compile_seconds") or 0.0)
+        for st in f.get("stages", {}).values():
+            out["rank_agreement"] = out.get("rank_agreement", 0.0) + float(st.get("rank_agreement_seconds") or 0.0)
+            for r in st.get("passes", []):
+                out[r["name"]] = out.get(r["name"], 0.0) + float(r.get("seconds", 0.0))
+                out["verify"] = out.get("verify", 0.0) + float(r.get("verify_seconds", 0.0))
+    return out
+
+
 # --------------------------------------------------------------------------- environment
 def _pkg_version(name: str) -> str | None:
     try:

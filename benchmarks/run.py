@@ -214,6 +214,13 @@ def _timed_first_step(built, batch, device) -> tuple[torch.Tensor, float]:
     return loss, time.perf_counter() - t0
 
 
+def _phase_diff(after: dict[str, float], before: dict[str, float], top: int = 30) -> dict[str, float]:
+    """The ``top`` largest per-phase second counts of ``after - before`` (phases nest:
+    their sum is not the first step's time)."""
+    d = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 1e-3}
+    return dict(sorted(d.items(), key=lambda kv: -kv[1])[:top])
+
+
 def _failure_text(e: BaseException) -> str:
     """Exception text plus the innermost frames (and those of a backend's own error,
     which Dynamo wraps in BackendCompilerFailed)."""
@@ -245,10 +252,19 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
         measure.free_memory(device)  # peak memory = the training steps, not the full-model build
         measure.reset_memory(device)
         P(f"[bench] system={name} {'compiling' if built.compiles else 'first step'}...")
+        ph0, gp0 = measure.compile_phase_seconds(), measure.graphcomp_pass_seconds()
         loss0, cold = _timed_first_step(built, batches[0], device)
+        res["stats"]["first_step_phases_s"] = _phase_diff(measure.compile_phase_seconds(), ph0)
+        if name.startswith("graphcomp"):
+            res["stats"]["first_step_graphcomp_s"] = _phase_diff(measure.graphcomp_pass_seconds(), gp0)
         losses = [loss0]
         P(f"[bench] system={name} first step {cold:.1f} s{' (compile)' if built.compiles else ''} "
           f"loss={loss0.item():.4f}")
+        if built.compiles:
+            top = list(res["stats"]["first_step_phases_s"].items())[:10]
+            gc_s = res["stats"].get("first_step_graphcomp_s", {})
+            P(f"[bench] system={name} first-step phases (s, nested): {top}"
+              + (f"; graphcomp: {list(gc_s.items())[:8]}" if gc_s else ""))
         timer = measure.StepTimer(device)
         host: list[float] = []  # wall time of each measured step() call on the host (no synchronization)
         t_log, last = time.perf_counter(), 0

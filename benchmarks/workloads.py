@@ -98,6 +98,8 @@ WORKLOADS: dict[str, Workload] = {
                    note="~1.2B, gather/compute overlap, fused downcast, bucketing"),
     "W3": Workload("W3", "W3", batch=1, seq=8192, warmup=5, steps=15, activation_checkpointing=True,
                    note="~8B, memory; activation checkpointing per block"),
+    "W3c": Workload("W3c", "W3-narrow", batch=1, seq=8192, warmup=3, steps=5, activation_checkpointing=True,
+                    note="W3's 32 layers, seq 8192 and checkpointing at 1/4 width: W3's compile on 2 GPUs"),
     # CI: 2 gloo CPU ranks, seconds per system
     "smoke": Workload("smoke", "tiny", batch=2, seq=16, warmup=3, steps=3, note="CI smoke (tiny preset)"),
     # the same with a vocabulary tensor parallelism can split (--tp 2 / 4)

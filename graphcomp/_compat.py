@@ -438,6 +438,12 @@ def skip_top_level_frames(*fns: Callable[..., Any]) -> None:
         skip_code(code)
 
 
+def has_mm_out_dtype() -> bool:
+    """Whether this torch has ``aten::mm.dtype`` (bf16/fp16 x same -> fp32 product on
+    CUDA; the ``fuse_grad_upcast`` pass)."""
+    return "dtype" in torch.ops.aten.mm.overloads()
+
+
 # ------------------------------------------------------ functional collectives
 # graphcomp.sharding traces parameter gathers and gradient reduce-scatters into the
 # graph through the ``_c10d_functional`` ops (what Dynamo/AOTAutograd emit for

@@ -43,6 +43,9 @@ class Counters(Mapping):
     """Pass runs that neither changed anything nor said why (a graphcomp bug)."""
     gathers_fused: int = 0
     """Parameter all-gathers whose downcast moved onto the shard (fuse_allgather_downcast)."""
+    grad_upcasts_fused: int = 0
+    """Gradient upcasts (bf16 -> fp32 before the reduce-scatter) fused into the matmul that
+    makes the gradient, which then writes fp32 (fuse_grad_upcast, CUDA)."""
     collective_buckets: int = 0
     """Flat buckets made by bucket_collectives (all-gather and reduce-scatter)."""
     gathers_resharded: int = 0

@@ -50,6 +50,10 @@ PRESETS: dict[str, LlamaConfig] = {
     "W1": LlamaConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, max_seq_len=1024),
     "W2": LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=2048),
     "W3": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=8192),
+    # W3's depth, sequence and vocabulary at a quarter of its width: the same graphs and
+    # kernels to compile (cold-compile breakdown on 2 GPUs, where W3 itself does not fit)
+    "W3-narrow": LlamaConfig(vocab_size=128256, dim=1024, n_layers=32, n_heads=8, n_kv_heads=2, ffn_dim=3584,
+                             max_seq_len=8192),
 }
 
 
