@@ -20,7 +20,9 @@ matmul's fp32 result, not its bf16 rounding upcast: more precise (it is what
 Megatron-LM's gradient-accumulation fusion stores into its fp32 main gradient), and
 not bitwise the unfused graph's or FSDP2's ``reduce_dtype=float32`` gradients.
 The matmul writes twice the bytes of its bf16 output; the cast kernel (which read
-and wrote them all again) is gone.
+and wrote them all again) is gone. W2 on 2 H100s (668f8a3): 145.6 -> 143.7 ms per
+step (Triton pointwise -3.3 ms, matmul +1.5 ms); on a 4096-token wgrad the mean
+error against fp64 drops from 7.2e-2 to 2.2e-4 (``tests/gpu/test_grad_upcast_gpu.py``).
 
 CUDA only (``aten::mm.dtype`` has no CPU kernel): no-op on other graphs. Skipped
 and counted: an upcast whose input is not a single-use matmul (a sum of two

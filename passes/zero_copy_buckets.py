@@ -37,6 +37,8 @@ results are bitwise those of the flat bucket. Memory: the gathered ``[W * L]``
 buffer and the ``[W * L]`` reduce-scatter input are no longer allocated beside
 the members (the estimate of ``graphcomp.memory`` still counts the flat form: it
 runs on the joint graph, before this pass, and stays an upper bound).
+Measured on W2 (2 H100s, 2f3a990): copy kernels 3.36 -> 1.30 ms per step, the step
+148.4 -> 145.8 ms; W1 with the whole step captured 12.0 -> 11.5 ms.
 
 Runs after ``schedule_prefetch`` on the partitioned graphs, so the passes that
 match a bucket's one-wait shape (``schedule_free``, ``schedule_prefetch``,
