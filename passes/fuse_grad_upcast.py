@@ -133,8 +133,6 @@ def fuse_grad_upcast(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not fused:
         return ctx.unchanged(gm, f"none of the {len(rss)} gradient reduce-scatters reads an upcast bf16/fp16 "
                                  f"matmul on CUDA (see the skipped:* counts)")
-    gm.graph.lint()
-    gm.recompile()
     ctx.counter("grad_upcasts_fused", fused)
     ctx.note(f"{fused} of {len(rss)} gradient upcasts fused into their matmul (aten::mm.dtype)")
     return ctx.changed(gm)
