@@ -54,7 +54,7 @@ est() {
     W1:ddp) echo 10 ;;          W2:ddp) echo 20 ;;
     W1:ddp_compile) echo 60 ;;  W2:ddp_compile) echo 80 ;;
     W1:inductor) echo 60 ;;     W2:inductor) echo 80 ;;
-    W1:graphcomp*) echo 90 ;;   W2:graphcomp*) echo 120 ;;
+    W1:graphcomp*) echo 60 ;;   W2:graphcomp*) echo 95 ;;   # 2xH100, eighth session: W1 47-54 s, W2 61-96 s per row
     W3:graphcomp*|W3c:graphcomp*) echo 240 ;;  W3:fsdp2_compile*) echo 180 ;;  # guesses: cold compile 115-123 s (issue 14) + ~1 s steps
     W1:deepspeed_z3) echo 30 ;; W2:deepspeed_z3) echo 45 ;;
     W1:deepcompile) echo 150 ;; W2:deepcompile) echo 180 ;;  # + ~60 s JIT build of its op, first time

@@ -44,7 +44,8 @@ def reduce_scatter(g, world, group):
 def run_pass(name, gm, stage="joint", code_id=None, **options):
     cfg = Config.from_options(options)
     # hand-built graphs are CPU graphs: test the reordering passes on them anyway
-    ctx = PassContext(config=cfg, frame_id=0, stage=stage, frame=FramePlan(prefetch_cpu_graphs=True, code_id=code_id))
+    ctx = PassContext(config=cfg, frame_id=0, stage=stage, frame=FramePlan(prefetch_cpu_graphs=True, zero_copy_cpu_graphs=True,
+                                                                                code_id=code_id))
     from graphcomp.pipeline import PassRecord
 
     ctx.record = PassRecord(name=name, stage=stage, enabled=True)

@@ -80,9 +80,14 @@ def _modes(rank: int, world: int) -> dict:
         out = torch.full((6,), 5.0)
         torch.ops._c10d_functional.all_gather_into_tensor_out(x, world, group, out=out)
         inplace = torch.ops._c10d_functional.all_reduce_(x.clone(), "sum", group)
+        # zero_copy_buckets' grouped forms: a list of recorded zeros, one per member
+        c10d = torch.ops._c10d_functional
+        grouped = [c10d.wait_tensor(t) for t in c10d.all_gather_into_tensor_coalesced([x, x[:1]], world, group)]
+        grouped += [c10d.wait_tensor(t) for t in
+                    c10d.reduce_scatter_tensor_coalesced([torch.ones(4), torch.ones(2)], "sum", world, group)]
     # one real collective after the mode: the ranks are still in step
     check = _compat.funcol_all_gather(torch.tensor([float(rank)]), group, world)
-    return {"first": first, "second": second, "out": out, "inplace": inplace,
+    return {"first": first, "second": second, "out": out, "inplace": inplace, "grouped": grouped,
             "ran": mode.ran, "stood_in": mode.stood_in, "warmed": sorted(warmed), "check": check}
 
 
@@ -93,7 +98,8 @@ def test_collectives_not_run_records_all_but_a_groups_first():
         assert torch.equal(d["second"], torch.zeros(6)), d["second"]
         assert torch.equal(d["out"], torch.zeros(6)), d["out"]  # recorded: the out= buffer zeroed
         assert torch.equal(d["inplace"], torch.full((3,), float(r + 1))), d["inplace"]  # not reduced
-        assert d["ran"] == 1 and d["stood_in"] == 3 and len(d["warmed"]) == 1, d
+        assert [t.tolist() for t in d["grouped"]] == [[0.0] * 6, [0.0] * 2, [0.0] * 2, [0.0]], d["grouped"]
+        assert d["ran"] == 1 and d["stood_in"] == 5 and len(d["warmed"]) == 1, d
         assert torch.equal(d["check"], torch.tensor([0.0, 1.0])), d["check"]
 
 

@@ -29,8 +29,8 @@ STEPS = 10
 GB, SEQ = 4, 16  # global batch (sequences), sequence length (divisible by tp: sequence parallel)
 LR = 0.5
 LOSS_RTOL, PARAM_RTOL, GRAD_RTOL = 1e-5, 1e-4, 1e-4
-PASSES = ("chunk_lm_loss", "fuse_allgather_downcast", "bucket_collectives", "schedule_free", "remat",
-          "schedule_prefetch", "partition_graph", "cudagraphs")
+PASSES = ("chunk_lm_loss", "fuse_allgather_downcast", "fuse_grad_upcast", "bucket_collectives", "schedule_free",
+          "remat", "schedule_prefetch", "zero_copy_buckets", "partition_graph", "cudagraphs")
 
 
 def _reset_between_tasks() -> None:
