@@ -49,7 +49,7 @@ reduce-scatter whose pack casts (members of another dtype) or whose member is no
 contiguous (a grouped collective reads each input as laid out). CPU graphs (gloo)
 stay flat unless ``FramePlan.zero_copy_cpu_graphs`` is set: gloo has no grouped
 reduce-scatter and runs one collective per member (2 ranks, 6 members: 5.6 vs 1.8 ms
-for the flat bucket; the CPU test suite ran 7 minutes longer). Tensor-parallel
+for the flat bucket). Tensor-parallel
 collectives (``graph_utils.is_foreign_collective``) are never buckets. No-op
 without buckets.
 """
