@@ -277,6 +277,19 @@ class PassContext:
         self.record.notes.append(msg)
         log.debug("[frame %s %s %s] %s", self.frame_id, self.stage, self.record.name, msg)
 
+    def rewrite_each(self, nodes: list[fx.Node], rewrite: Callable[[fx.Node], str | None]) -> int:
+        """Call ``rewrite(node)`` for each node: it rewrites and returns None, or returns
+        why not, counted in this pass's record as ``skipped:<why>``. Returns how many
+        were rewritten."""
+        done = 0
+        for n in nodes:
+            why = rewrite(n)
+            if why is None:
+                done += 1
+            else:
+                self.count(f"skipped:{why}")
+        return done
+
     def nothing(self, reason: str) -> None:
         """Record why the pass found nothing to do (or refused)."""
         assert self.record is not None

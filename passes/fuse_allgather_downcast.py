@@ -40,13 +40,7 @@ def fuse_allgather_downcast(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ags = gu.gathers(gm)
     if not ags:
         return ctx.unchanged(gm, "no all_gather_into_tensor in the graph (unsharded model or world size 1)")
-    fused = 0
-    for ag in ags:
-        reason = _try_fuse(gm, ag, ctx)
-        if reason is None:
-            fused += 1
-        else:
-            ctx.count(f"skipped:{reason}")
+    fused = ctx.rewrite_each(ags, lambda ag: _try_fuse(gm, ag, ctx))
     ctx.counter("gathers_fused", fused)
     if fused == 0:
         return ctx.unchanged(gm, f"none of the {len(ags)} gathers is followed only by a downcast")

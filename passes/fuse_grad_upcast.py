@@ -64,7 +64,7 @@ def _upcast_before(rs: fx.Node) -> fx.Node | None:
     return node if isinstance(node, fx.Node) else None
 
 
-def _try(gm: fx.GraphModule, rs: fx.Node, ctx: PassContext) -> str | None:
+def _try(gm: fx.GraphModule, rs: fx.Node) -> str | None:
     cast = _upcast_before(rs)
     if cast is None:
         return "no_upcast"
@@ -84,15 +84,16 @@ def _try(gm: fx.GraphModule, rs: fx.Node, ctx: PassContext) -> str | None:
     g = gm.graph
     with g.inserting_before(cast):
         new = g.call_function(aten.mm.dtype, (x.args[0], x.args[1], torch.float32))
-        gu.fake_eval(gm, new)
-        cur = new
+        created = [new]
         for v in reversed(views):
-            cur = g.call_function(v.target, (cur, *v.args[1:]), dict(v.kwargs))
-            gu.fake_eval(gm, cur)
+            created.append(g.call_function(v.target, (created[-1], *v.args[1:]), dict(v.kwargs)))
+    for n in created:
+        gu.fake_eval(gm, n)
+    cur = created[-1]
     want, got = gu.tensor_meta(cast), gu.tensor_meta(cur)
     if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and (
             want.shape != got.shape or want.stride() != got.stride() or got.dtype != torch.float32):
-        for n in reversed([new, *_chain(new)]):
+        for n in reversed(created):
             g.erase_node(n)
         return "strides"
     for k in ("stack_trace", "seq_nr", "partitioner_tag"):
@@ -106,14 +107,6 @@ def _try(gm: fx.GraphModule, rs: fx.Node, ctx: PassContext) -> str | None:
     return None
 
 
-def _chain(start: fx.Node) -> list[fx.Node]:
-    out, node = [], start
-    while len(node.users) == 1:
-        (node,) = node.users
-        out.append(node)
-    return out
-
-
 @register_pass("fuse_grad_upcast", stages=("joint",), after=("fuse_allgather_downcast",),
                before=("bucket_collectives",))
 def fuse_grad_upcast(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -123,13 +116,7 @@ def fuse_grad_upcast(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return ctx.unchanged(gm, "no gradient reduce-scatter in the graph")
     if not _compat.has_mm_out_dtype():
         return ctx.unchanged(gm, "this torch has no aten::mm.dtype")
-    fused = 0
-    for rs in rss:
-        why = _try(gm, rs, ctx)
-        if why is None:
-            fused += 1
-        else:
-            ctx.count(f"skipped:{why}")
+    fused = ctx.rewrite_each(rss, lambda rs: _try(gm, rs))
     if not fused:
         return ctx.unchanged(gm, f"none of the {len(rss)} gradient reduce-scatters reads an upcast bf16/fp16 "
                                  f"matmul on CUDA (see the skipped:* counts)")

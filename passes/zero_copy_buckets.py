@@ -93,24 +93,41 @@ def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
     dst.meta["graphcomp_zero_copy"] = True
 
 
-def _split_waits(gm: fx.GraphModule, coll: fx.Node, wait: fx.Node, n: int) -> list[fx.Node]:
-    """``getitem(coll, i)`` after ``coll`` and ``wait_tensor`` of each where ``wait`` was."""
+def _items(gm: fx.GraphModule, src: fx.Node, n: int, before: fx.Node) -> list[fx.Node]:
+    """``getitem(src, i)`` for ``i < n``, inserted before ``before``; each takes its
+    value from ``src``'s list (no fake run: hundreds of members per bucket on W3)."""
     g = gm.graph
-    with g.inserting_before(coll.next):
-        items = [g.call_function(operator.getitem, (coll, i)) for i in range(n)]
-    waits = []
-    with g.inserting_before(wait):
-        for it in items:
-            waits.append(g.call_function(c10d.wait_tensor.default, (it,)))
-    vals = coll.meta.get("val")
-    for i, (it, w) in enumerate(zip(items, waits)):
-        if isinstance(vals, (list, tuple)):  # a getitem is its list entry, a wait its input (no fake run:
-            gu.set_val(it, vals[i])           # hundreds of members per bucket on W3)
-            gu.set_val(w, vals[i])
+    with g.inserting_before(before):
+        items = [g.call_function(operator.getitem, (src, i)) for i in range(n)]
+    vals = src.meta.get("val")
+    for i, it in enumerate(items):
+        if isinstance(vals, (list, tuple)):
+            gu.set_val(it, vals[i])
         else:
             gu.fake_eval(gm, it)
+    return items
+
+
+def _rewire(gm: fx.GraphModule, grouped: fx.Node, wait: fx.Node, users: list[fx.Node],
+            dead: tuple[fx.Node, ...]) -> None:
+    """Each member of the grouped collective ``grouped`` gets its ``getitem`` right after
+    it and its ``wait_tensor`` where the flat bucket's ``wait`` was; the flat form's
+    per-member ``users`` (``getitem(flat result, i)``) read member ``i``'s wait
+    instead, and they and the flat form's ``dead`` nodes are erased (users first)."""
+    g = gm.graph
+    outs = _items(gm, grouped, len(grouped.args[0]), grouped.next)
+    with g.inserting_before(wait):
+        waits = [g.call_function(c10d.wait_tensor.default, (o,)) for o in outs]
+    for w, o in zip(waits, outs):  # a wait's value is its input's
+        if "val" in o.meta:
+            gu.set_val(w, o.meta["val"])
+        else:
             gu.fake_eval(gm, w)
-    return waits
+    for it in users:
+        it.replace_all_uses_with(waits[it.args[1]])
+        g.erase_node(it)
+    for node in dead:
+        g.erase_node(node)
 
 
 def _gather(gm: fx.GraphModule, coll: fx.Node, ctx: PassContext) -> bool:
@@ -132,23 +149,13 @@ def _gather(gm: fx.GraphModule, coll: fx.Node, ctx: PassContext) -> bool:
     g = gm.graph
     with g.inserting_before(coll):
         split = g.call_function(aten.split_with_sizes.default, (flat, numels))
-        ins = [g.call_function(operator.getitem, (split, i)) for i in range(len(numels))]
-        new = g.call_function(c10d.all_gather_into_tensor_coalesced.default, (ins, world, group))
     gu.fake_eval(gm, split)
-    parts = split.meta.get("val")
-    for i, node in enumerate(ins):
-        if isinstance(parts, (list, tuple)):
-            gu.set_val(node, parts[i])
-        else:
-            gu.fake_eval(gm, node)
+    ins = _items(gm, split, len(numels), coll)
+    with g.inserting_before(coll):
+        new = g.call_function(c10d.all_gather_into_tensor_coalesced.default, (ins, world, group))
     gu.fake_eval(gm, new)
     _copy_meta(coll, new)
-    waits = _split_waits(gm, new, wait, len(numels))
-    for it in items:
-        it.replace_all_uses_with(waits[it.args[1]])
-        g.erase_node(it)
-    for node in (unpack, wait, coll):
-        g.erase_node(node)
+    _rewire(gm, new, wait, items, dead=(unpack, wait, coll))
     return True
 
 
@@ -177,12 +184,7 @@ def _reduce_scatter(gm: fx.GraphModule, coll: fx.Node, ctx: PassContext) -> bool
         new = g.call_function(c10d.reduce_scatter_tensor_coalesced.default, (grads, op, world, group))
     gu.fake_eval(gm, new)
     _copy_meta(coll, new)
-    waits = _split_waits(gm, new, wait, len(grads))
-    for it in items:
-        it.replace_all_uses_with(waits[it.args[1]])
-        g.erase_node(it)
-    for node in (split, wait, coll, packed):
-        g.erase_node(node)
+    _rewire(gm, new, wait, items, dead=(split, wait, coll, packed))
     return True
 
 
