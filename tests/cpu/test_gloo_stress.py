@@ -1,11 +1,12 @@
 """A shortened run of tests/stress/gloo_stress.py in `make test` (issue 16).
 
-10 iterations on 2 gloo ranks, each a fresh compile of the sharded tiny Llama with
+4 iterations on 2 gloo ranks, each a fresh compile of the sharded tiny Llama with
 graphcomp's defaults and 3 training steps, with glibc's heap checks on; every
 iteration under a timeout. graphcomp.shard puts the CPU parameters on a gloo group
 with one worker thread (graphcomp.gloo_groups), so ``schedule_prefetch`` reorders
 the CPU graphs by default. The full loop (hundreds of iterations, 2 and 4 ranks) and
-its numbers: docs/heap-corruption.md.
+its numbers: docs/heap-corruption.md. (10 iterations until 2026-11-26: 56 s of CI; a
+smoke at either count, the failure it guards against was once in 150 iterations.)
 """
 
 import json
@@ -22,16 +23,16 @@ STRESS = Path(__file__).resolve().parents[1] / "stress" / "gloo_stress.py"
 @pytest.mark.timeout(420)
 def test_gloo_stress_short(tmp_path):
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, str(STRESS), "--iters", "10", "--ranks", "2", "--steps", "3", "--codegen", "eager",
+    cmd = [sys.executable, str(STRESS), "--iters", "4", "--ranks", "2", "--steps", "3", "--codegen", "eager",
            "--timeout", "120", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
-    assert s["iterations"] == 10
+    assert s["iterations"] == 4
     assert (s["crashes"], s["timeouts"], s["errors"]) == (0, 0, 0), s["failures"]
-    assert s["ok"] == 10 and proc.returncode == 0
+    assert s["ok"] == 4 and proc.returncode == 0
     assert s["malloc_checks"] and s["prefetch_cpu"] == "default"
-    assert s["compiles"] == 10
+    assert s["compiles"] == 4
     # one worker thread per gloo group: the default prefetches on CPU graphs too (each
     # compile reorders its forward and its backward; docs/heap-corruption.md)
     assert s["prefetch_changed_frames"] == 2 * s["compiles"]

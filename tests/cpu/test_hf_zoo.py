@@ -124,7 +124,14 @@ def ranks2():
         yield pool
 
 
-@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
+# Mixtral's default experts (transformers' grouped_mm fallback reads token counts on
+# the host: a graph break per layer and a frame per piece) run with Inductor codegen
+# only: the same frames with eager codegen cost 47 s of CI on 2 cores and test no
+# path the other families' eager runs and Mixtral's Inductor run leave out.
+EAGER = tuple(f for f in sorted(zoo.FAMILIES) if f != "mixtral")
+
+
+@pytest.mark.parametrize("family", EAGER)
 def test_parity_eager_codegen_2ranks(ranks2, family):
     _check(family, ranks2.run(_sharded, family, "eager"), rtol=1e-5)
 

@@ -123,7 +123,9 @@ def test_fp32_2ranks_matches_unsharded_reference(ranks2, fuse, bucket):
     assert counters.get("bytes_gathered:float32", 0) > 0 and "bytes_gathered:bfloat16" not in counters
 
 
-@pytest.mark.parametrize("fuse, bucket", COMBOS)
+# 4 ranks: the defaults and everything off (the mixed combinations run on 2 ranks
+# above and in the micro-batch test; each 4-rank case costs 10-18 s of CI on 2 cores)
+@pytest.mark.parametrize("fuse, bucket", [(True, True), (False, False)])
 def test_fp32_4ranks_matches_unsharded_reference(ranks4, fuse, bucket):
     ref_losses, ref_params = _reference(STEPS, 1)
     res = ranks4.run(_train_sharded, {"fuse": fuse, "bucket": bucket})
