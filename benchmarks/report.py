@@ -111,6 +111,11 @@ def loss_parity(systems: dict[str, dict], warmup: int) -> dict:
     out["first_step_max_rel_diff"] = ((max(v[0] for v in ok.values()) - min(v[0] for v in ok.values()))
                                       / abs(ref_l[0]))
     out["within_tolerance"] = out["max_rel_diff_overall"] <= PARITY_TOLERANCE
+    # the noise floor: how far the systems that are not graphcomp (the same model, data
+    # and initial weights) drift apart over the same steps (bf16 training diverges)
+    base = [v for name, v in ok.items() if not name.startswith("graphcomp")]
+    out["baseline_spread"] = (max((max(v[i] for v in base) - min(v[i] for v in base)) / abs(ref_l[i])
+                                  for i in range(lo, n)) if len(base) >= 2 else None)
     return out
 
 
@@ -305,7 +310,10 @@ def markdown(result: dict) -> str:
         lines += ["", f"Loss parity vs `{p['reference']}` (max relative difference over measured steps; "
                       f"tolerance {p['tolerance']:g}): overall {_fmt(p['max_rel_diff_overall'], '.2e')} "
                       f"({'within' if p['within_tolerance'] else 'OUTSIDE'} tolerance); first step "
-                      f"{_fmt(p['first_step_max_rel_diff'], '.2e')}", ""]
+                      f"{_fmt(p['first_step_max_rel_diff'], '.2e')}"
+                      + (f"; the systems other than graphcomp differ from each other by up to "
+                         f"{_fmt(p['baseline_spread'], '.2e')} over the same steps"
+                         if p.get("baseline_spread") is not None else ""), ""]
         lines += [f"- {n}: {_fmt(v, '.2e')}" for n, v in p["max_rel_diff"].items()]
     if result.get("targets"):
         lines += ["", "Targets (BENCHMARKS.md):", ""] + [_target_text(t) for t in result["targets"]]

@@ -51,6 +51,9 @@ def remat_rows(frame: dict[str, Any]) -> list[list[str]]:
                 user = f"{c['user_kept']:g} saved ({_fmt_bytes(c.get('user_kept_bytes', 0))})"
             elif "user_recomputed" in c:
                 user = f"{c['user_recomputed']:g} recomputed as written"
+                if c.get("room_under_budget_bytes"):
+                    user += (f" ({_fmt_bytes(c.get('user_recomputed_bytes', 0))}; "
+                             f"{_fmt_bytes(c['room_under_budget_bytes'])} of the budget unused: remat='auto' saves what fits)")
             else:
                 user = "-"
             note = "budget infeasible" if c.get("budget_infeasible") else ""

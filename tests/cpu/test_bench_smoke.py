@@ -171,6 +171,11 @@ def test_loss_parity_and_targets():
     assert p["reference"] == "fsdp2"
     assert p["max_rel_diff"]["graphcomp"] == pytest.approx(0.01)
     assert p["max_rel_diff_overall"] == pytest.approx(0.01) and p["first_step_max_rel_diff"] == 0.0
+    assert p["baseline_spread"] == 0.0  # fsdp2 and fsdp2_compile: the same losses here
+    drift = dict(systems, fsdp2_compile=_fake(losses=(5.0, 4.9, 4.8 * 1.03, 4.7), tps=100.0))
+    assert report.loss_parity(drift, warmup=2)["baseline_spread"] == pytest.approx(0.03)
+    assert report.loss_parity({"graphcomp": systems["graphcomp"], "fsdp2": systems["fsdp2"]},
+                              warmup=2)["baseline_spread"] is None  # one baseline: no floor
     t = {(x["baseline"]): x for x in report.evaluate_targets("W1", 2, systems)}
     assert t["fsdp2_compile"]["met"] is True and t["fsdp2_compile"]["value"] == pytest.approx(1.7)
     assert t["fsdp2"]["met"] is True and t["deepspeed_z3"]["met"] is None  # not run: no verdict
@@ -184,6 +189,7 @@ def test_loss_parity_and_targets():
                           "targets": report.evaluate_targets("W1", 2, systems)})
     assert "| graphcomp | 170 | 2.12× | 1.70× |" in md
     assert "**not run**" in md and "(met)" in md
+    assert "the systems other than graphcomp differ from each other by up to 0.00e+00" in md
 
 
 def test_expand_systems_order_and_errors():

@@ -274,6 +274,10 @@ def test_end_to_end_bitwise(codegen, mode, ckpt):
         tight = (before + after) // 2
     else:
         assert not rec["changed"] and rec["counts"]["user_recomputed"] > 0
+        # the budget has room for what the user's regions recompute: the record says so
+        assert rec["counts"]["room_under_budget_bytes"] == 10**9 - before
+        assert rec["counts"]["user_recomputed_bytes"] > 0
+        assert any("remat='auto' would save" in n for n in rec["notes"]), rec["notes"]
         tight = before - 16 * 128 * 4  # one block's worth of activations under the graph as tagged
     losses, params, rec, counters = _train({**base, "memory_budget": tight}, ckpt)
     assert rec["changed"] and rec["counts"]["recomputed"] > 0, rec
@@ -531,3 +535,20 @@ def test_sharded_checkpointed_attention_trains(codegen):
         assert ck_state.keys() == state.keys()
         for k in state:
             assert same(ck_state[k], state[k]), k
+
+
+def test_inspect_remat_row_names_the_room_the_users_checkpointing_leaves():
+    """``graphcomp inspect``'s remat table: under ``respect_user`` a budget with room
+    for what the user's regions recompute points at ``remat="auto"``; without room,
+    only the count."""
+    from graphcomp.inspect_dumps import remat_rows
+
+    def frame(**counts):
+        c = {"budget_bytes": 2**30, "estimated_peak_before": 2**29, "estimated_peak_after": 2**29,
+             "user_recomputed": 4, **counts}
+        return {"stages": {"joint": {"passes": [{"name": "remat", "counts": c}]}}}
+
+    (row,) = remat_rows(frame(user_recomputed_bytes=2**20, room_under_budget_bytes=2**29))
+    assert "4 recomputed as written" in row[6] and "remat='auto' saves what fits" in row[6], row
+    (row,) = remat_rows(frame())
+    assert row[6] == "4 recomputed as written", row
