@@ -318,8 +318,10 @@ def compile_phase_seconds() -> dict[str, float]:
 def graphcomp_pass_seconds() -> dict[str, float]:
     """Seconds graphcomp's passes took so far in this process, per pass (all frames and
     stages), plus the collective verifier's (``verify``), the compile-time rank
-    agreement's (``rank_agreement``) and the frames' recorded compile seconds
-    (``frame_compile``); {} without graphcomp."""
+    agreement's (``rank_agreement``), the frames' recorded compile seconds
+    (``frame_compile``) and the CUDA-graph pieces' capture calls (host seconds:
+    ``cudagraph_warmup``, ``cudagraph_trial_capture``, ``cudagraph_capture``, outside
+    Dynamo's timers); {} without graphcomp."""
     try:
         from graphcomp.session import SESSION
     except Exception:  # noqa: BLE001
@@ -329,6 +331,9 @@ def graphcomp_pass_seconds() -> dict[str, float]:
         out["frame_compile"] = out.get("frame_compile", 0.0) + float(f.get("compile_seconds") or 0.0)
         for st in f.get("stages", {}).values():
             out["rank_agreement"] = out.get("rank_agreement", 0.0) + float(st.get("rank_agreement_seconds") or 0.0)
+            for part in st.get("partitions", []):  # the CUDA-graph runners' capture calls (host seconds)
+                for phase, sec in (part.get("capture_seconds") or {}).items():
+                    out[f"cudagraph_{phase}"] = out.get(f"cudagraph_{phase}", 0.0) + float(sec)
             for r in st.get("passes", []):
                 out[r["name"]] = out.get(r["name"], 0.0) + float(r.get("seconds", 0.0))
                 out["verify"] = out.get("verify", 0.0) + float(r.get("verify_seconds", 0.0))

@@ -63,6 +63,10 @@ class PieceStats:
     captures: int = 0
     pool_bytes: int = 0
     turned_eager: str | None = None
+    # host seconds of the capture calls' phases, summed over captures: "warmup" (the
+    # WARMUP_ITERS eager runs: on a first call also Inductor's kernel loading and
+    # autotuning), "trial_capture", "capture"
+    capture_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,6 +102,8 @@ class Piece:
         if st.captures:
             r["captures"] = st.captures
             r["pool_bytes"] = st.pool_bytes
+        if st.capture_seconds:
+            r["capture_seconds"] = {k: round(v, 4) for k, v in st.capture_seconds.items()}
         if st.turned_eager:
             r["mode"] = "eager"
             r["reason"] = st.turned_eager

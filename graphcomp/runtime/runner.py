@@ -61,6 +61,7 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -250,6 +251,8 @@ class CudaGraphRunner:
         dev = RUNTIME.device
         stream = RUNTIME.stream
         phase = "warm-up"
+        secs = self.stats.capture_seconds
+        t0 = time.perf_counter()
         # the values of written inputs before the warm-ups: put back before the real
         # capture (its replay is this call's one write) or before the eager fallback
         undo = [(static_in[i], static_in[i].clone()) for i in self.mutated if isinstance(static_in[i], torch.Tensor)]
@@ -262,11 +265,14 @@ class CudaGraphRunner:
                     for _ in range(WARMUP_ITERS):
                         self.fn(list(static_in))
                 SESSION.counters.add("warmup_collectives_stood_in", not_run.stood_in)
+                t1 = time.perf_counter()
+                secs["warmup"] = secs.get("warmup", 0.0) + t1 - t0
                 phase = "trial capture"
                 # the trial graph is replayed once: captured without its collectives, so
                 # that replay issues none (a capture call's one issue is the real replay)
                 with _compat.collectives_not_run(None):
                     dev.trial_capture(stream, self.fn, static_in)
+                secs["trial_capture"] = secs.get("trial_capture", 0.0) + time.perf_counter() - t1
             dev.wait(dev.current_stream(), stream)
         except Exception as e:  # noqa: BLE001 - any failure: the piece runs eagerly (or "require" raises)
             dev.wait(dev.current_stream(), stream)
@@ -280,6 +286,7 @@ class CudaGraphRunner:
         in_refs = [(i, _compat.storage_weakref(x)) for i, (x, k) in enumerate(zip(static_in, self.kinds))
                    if isinstance(x, torch.Tensor) and k != "copy"]
         buf_storages = {_storage_id(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k == "copy"}
+        t2 = time.perf_counter()
         with RUNTIME.capturing():
             g = dev.new_graph()
             # hold only our own static buffers: a non-copy input (a saved activation,
@@ -302,6 +309,7 @@ class CudaGraphRunner:
                 ) from e
             del ins
         dev.wait(dev.current_stream(), stream)
+        secs["capture"] = secs.get("capture", 0.0) + time.perf_counter() - t2
         cap.graph = g
         in_index = {r.cdata: i for i, r in in_refs if not r.expired()}
         del in_refs

@@ -304,6 +304,16 @@ def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
     # re-capture the forward pieces once (the backward copies its gradients from then
     # on; the kept losses are forward outputs, always copied); no capture after that
     assert all(1 <= p["captures"] <= 2 and p["pool_bytes"] > 0 for p in captured), captured
+    # each capture call's phases are timed (host seconds; the harness reports them)
+    assert all(set(p["capture_seconds"]) == {"warmup", "trial_capture", "capture"}
+               and min(p["capture_seconds"].values()) >= 0 for p in captured), captured
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.measure import graphcomp_pass_seconds
+
+    secs = graphcomp_pass_seconds()
+    assert secs["cudagraph_warmup"] > 0 and "cudagraph_capture" in secs, secs
     assert c["hazard_recaptures"] >= 1 and c["captures"] == settled, dict(c)
     from graphcomp.inspect_dumps import format_frame
 
