@@ -21,6 +21,7 @@
 #   TP                tensor-parallel degree for every run (--tp; default 1): W2:2 with TP=2 is
 #                     graphcomp vs FSDP2 + TP + compile on a (1, 2) mesh
 #   FRESH_CACHE=1     every system compiles with an empty Inductor cache (--fresh-cache: cold compile)
+#   MEMORY_CAP        GiB per GPU for every system (--memory-cap; graphcomp gets it as memory_budget)
 #   BENCH_GIT_COMMIT  the commit to record (the GPU machine's copy has no .git)
 #   BENCH_NGPU        pretend this many GPUs (dry run on a CPU machine: smoke:2 runs on gloo)
 #
@@ -134,10 +135,11 @@ for run in "${RUNS[@]}"; do
   [ -n "${HF_SIZE:-}" ] && [[ "$W" == hf-* ]] && extra+=(--hf-size "$HF_SIZE")
   [ "${TP:-1}" -gt 1 ] && extra+=(--tp "$TP")
   [ "${FRESH_CACHE:-0}" = "1" ] && extra+=(--fresh-cache)
+  [ -n "${MEMORY_CAP:-}" ] && extra+=(--memory-cap "$MEMORY_CAP")
   CUDA_VISIBLE_DEVICES=$devs timeout -k 20 $(( L - 10 )) \
     python3 -m torch.distributed.run --standalone --nproc-per-node "$N" -m benchmarks.run \
       --workload "$W" --warmup "$WARMUP" --steps "$STEPS" --systems "$S" --out-dir "$RES" \
-      --log-every 10 --tag "w${WARMUP}s${STEPS}" "${extra[@]}" 2>&1 | tee -a "$LOG"
+      --log-every 10 --tag "w${WARMUP}s${STEPS}${MEMORY_CAP:+-cap$MEMORY_CAP}" "${extra[@]}" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && say "run $run hit the time limit (rc $rc): partial results kept"
   say "run $run finished rc=$rc"
