@@ -65,6 +65,14 @@ def remat_rows(frame: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def capture_seconds_text(piece: dict[str, Any]) -> str:
+    """A piece row's capture calls in host seconds: "total (warm-up w)", or "-"."""
+    cs = piece.get("capture_seconds")
+    if not cs:
+        return "-"
+    return f"{sum(cs.values()):.3f} (warm-up {cs.get('warmup', 0.0):.3f})"
+
+
 def inductor_order_text(frame: dict[str, Any]) -> str | None:
     """Per stage, whose node order Inductor compiled (``Config.inductor_memory_reorder``);
     None when no stage has a record (eager codegen, or no graphcomp collective)."""
@@ -154,10 +162,10 @@ def format_frame(frame: dict[str, Any]) -> str:
         prow = [
             [s, str(p.get("piece")), p.get("mode", ""), str(p.get("nodes", "")),
              str(p.get("captures", "-")), _fmt_bytes(p["pool_bytes"]) if "pool_bytes" in p else "-",
-             _short(p.get("reason"), 60)]
+             capture_seconds_text(p), _short(p.get("reason"), 60)]
             for s, p in parts
         ]
-        out.append(_table(prow, ["stage", "piece", "mode", "nodes", "captures", "pool", "reason"]))
+        out.append(_table(prow, ["stage", "piece", "mode", "nodes", "captures", "pool", "capture s", "reason"]))
     return "\n".join(out)
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from .dump import load_runtime, load_summaries
-from .inspect_dumps import REMAT_HEADER, RUNTIME_HEADER, _fmt_bytes, inductor_order_text, remat_rows, runtime_rows
+from .inspect_dumps import (REMAT_HEADER, RUNTIME_HEADER, _fmt_bytes, capture_seconds_text, inductor_order_text,
+                            remat_rows, runtime_rows)
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1b1b;max-width:1200px}
@@ -133,11 +134,12 @@ def _pieces_table(frame: dict[str, Any]) -> str:
         for p in st.get("partitions", []):
             rows.append([stage, p.get("piece"), p.get("mode", ""), p.get("nodes", ""), p.get("captures", "-"),
                          _fmt_bytes(p["pool_bytes"]) if "pool_bytes" in p else "-",
-                         p.get("static_inputs", "-"), p.get("copy_inputs", "-"), p.get("reason") or ""])
+                         p.get("static_inputs", "-"), p.get("copy_inputs", "-"), capture_seconds_text(p),
+                         p.get("reason") or ""])
     if not rows:
         return '<p class="muted">(no split graphs: CUDA graphs off, or no CUDA tensors)</p>'
     return _table(["stage", "piece", "mode", "nodes", "captures", "pool", "static inputs", "copied inputs",
-                   "reason"], rows, "pieces", None, {3, 4})
+                   "capture s", "reason"], rows, "pieces", None, {3, 4})
 
 
 def _collectives(frame: dict[str, Any]) -> str:

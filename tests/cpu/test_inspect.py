@@ -214,7 +214,8 @@ def _synthetic_summary(root):
                "nodes_before": 0, "nodes_after": 0, "reason": "disabled in Config.passes", "counts": {},
                "notes": [], "op_diff": {}}]
     parts = [{"piece": 0, "mode": "cudagraph", "nodes": 6, "captures": 1, "pool_bytes": 3 * 2**20, "reason": None,
-              "static_inputs": 4, "copy_inputs": 1},
+              "static_inputs": 4, "copy_inputs": 1,
+              "capture_seconds": {"warmup": 1.25, "trial_capture": 0.125, "capture": 0.125}},
              {"piece": 1, "mode": "eager", "nodes": 1, "reason": "host_sync: aten._local_scalar_dense (.item())"}]
     colls = [{"node": "ag", "op": "x", "kind": "all_gather", "dtype": "bfloat16", "bytes": 2048, "bucket": 0,
               "params": ["w1", "w2"]},
@@ -235,8 +236,9 @@ def test_html_pieces_collectives_and_chart_geometry(tmp_path):
     page = _parse(text)
     _self_contained(page, text)
     pieces = [r for t, r in page.rows if t == "pieces"]
-    assert pieces[1] == ["fwd", "0", "cudagraph", "6", "1", "3.0 MiB", "4", "1", ""]
-    assert pieces[2] == ["fwd", "1", "eager", "1", "-", "-", "-", "-", "host_sync: aten._local_scalar_dense (.item())"]
+    assert pieces[1] == ["fwd", "0", "cudagraph", "6", "1", "3.0 MiB", "4", "1", "1.500 (warm-up 1.250)", ""]
+    assert pieces[2] == ["fwd", "1", "eager", "1", "-", "-", "-", "-", "-",
+                         "host_sync: aten._local_scalar_dense (.item())"]
     colls = [r for t, r in page.rows if t == "collectives"]
     assert colls[1:] == [["fwd", "all_gather", "bfloat16", "1", "2.0 KiB", "1"],
                          ["fwd", "reduce_scatter", "float32", "1", "4.0 KiB", "-"]]
