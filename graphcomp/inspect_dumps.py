@@ -202,14 +202,49 @@ def runtime_rows(rec: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]
     return rows, [[k, str(c[k])] for k in _RUNTIME_COUNTERS if c.get(k)]
 
 
-def format_runtime(rec: dict[str, Any]) -> str:
+def largest_estimate(summary: dict[str, Any]) -> tuple[int, int, str] | None:
+    """(bytes, frame, stage) of the largest forward/backward peak graphcomp's memory
+    model estimated (Inductor's fusion modelled where the frame compiled with Inductor,
+    as ``max_memory_allocated`` counts), or None."""
+    best = None
+    for f in summary.get("frames", []):
+        for stage, st in f.get("stages", {}).items():
+            m = st.get("memory") or {}
+            flat = m.get("peak_bytes_allocated", m.get("peak_bytes"))
+            pk = m.get("peak_bytes_inductor", flat) if f.get("codegen") == "inductor" else flat
+            if stage in ("fwd", "bwd") and isinstance(pk, int) and (best is None or pk > best[0]):
+                best = (pk, f.get("frame"), stage)
+    return best
+
+
+def memory_lines(rec: dict[str, Any], summary: dict[str, Any] | None) -> list[str]:
+    """The measured peak (``runtime.json``'s ``memory``, CUDA only) against the largest
+    estimated graph peak of ``summary``; [] when nothing was measured."""
+    mem = rec.get("memory")
+    if not mem:
+        return []
+    alloc = mem["max_allocated_bytes"]
+    out = [f"measured peak on {mem.get('device', '?')}: {_fmt_bytes(alloc)} allocated, "
+           f"{_fmt_bytes(mem.get('max_reserved_bytes', 0))} reserved (torch.cuda.max_memory_allocated / "
+           f"_reserved at teardown: since the process started or the last reset_peak_memory_stats)"]
+    est = largest_estimate(summary) if summary else None
+    if est:
+        out.append(f"largest estimated graph peak: {_fmt_bytes(est[0])} (frame {est[1]}, {est[2]}; the graph's "
+                   f"inputs and saved activations, not memory held outside the graphs such as optimizer state): "
+                   f"measured / estimated {alloc / max(est[0], 1):.2f}")
+    return out
+
+
+def format_runtime(rec: dict[str, Any], summary: dict[str, Any] | None = None) -> str:
     """What ran captured (``runtime.json``, written by ``graphcomp.runtime.teardown()``):
-    whole-step and optimizer-step captures, then the run-time counters."""
+    whole-step and optimizer-step captures, the run-time counters, and on CUDA the
+    measured peak against ``summary``'s largest estimated graph peak."""
     rows, counters = runtime_rows(rec)
     out = ["what ran captured (written at teardown)",
            _table(rows, RUNTIME_HEADER) if rows else "(no whole-step or optimizer-step capture)"]
     if counters:
         out.append(_table(counters, ["counter", "value"]))
+    out += memory_lines(rec, summary)
     return "\n".join(out)
 
 
@@ -243,5 +278,5 @@ def inspect_dir(root: str | Path, *, rank: int = 0, frame: int | None = None, st
     text = format_summary(summaries[rank], frame)
     rec = load_runtime(root, rank)
     if rec is not None and frame is None:
-        text += "\n\n" + format_runtime(rec)
+        text += "\n\n" + format_runtime(rec, summaries[rank])
     return text

@@ -21,7 +21,7 @@ from typing import Any
 
 from .dump import load_runtime, load_summaries
 from .inspect_dumps import (REMAT_HEADER, RUNTIME_HEADER, _fmt_bytes, capture_seconds_text, inductor_order_text,
-                            remat_rows, runtime_rows)
+                            memory_lines, remat_rows, runtime_rows)
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1b1b;max-width:1200px}
@@ -209,15 +209,17 @@ def _frame(frame: dict[str, Any]) -> str:
             "</section>")
 
 
-def _runtime(root: str | Path, rank: int) -> str:
-    """The teardown's record (``runtime.json``): what ran captured, and the counters."""
+def _runtime(root: str | Path, rank: int, summary: dict[str, Any] | None = None) -> str:
+    """The teardown's record (``runtime.json``): what ran captured, the counters, and
+    on CUDA the measured peak against the largest estimated graph peak."""
     rec = load_runtime(root, rank)
     if rec is None:
         return ""
     rows, counters = runtime_rows(rec)
+    mem = "".join(f"<p>{_e(line)}</p>" for line in memory_lines(rec, summary))
     return ('<section class="runtime" id="runtime"><h2>What ran captured (at teardown)</h2>'
             + _table(RUNTIME_HEADER, rows, num_cols={3, 4, 5}) + _table(["counter", "value"], counters, num_cols={1})
-            + "</section>")
+            + mem + "</section>")
 
 
 def render_html(root: str | Path, *, rank: int = 0, frame: int | None = None) -> str:
@@ -236,7 +238,7 @@ def render_html(root: str | Path, *, rank: int = 0, frame: int | None = None) ->
             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"
             f"<h1>{_e(title)}</h1><p>{len(s['frames'])} frame(s) on rank {rank} of ranks {sorted(summaries)}; "
             f"dump directory <code>{_e(Path(root).resolve())}</code>.</p><ul>{toc}</ul>"
-            + "".join(_frame(f) for f in frames) + (_runtime(root, rank) if frame is None else "")
+            + "".join(_frame(f) for f in frames) + (_runtime(root, rank, s) if frame is None else "")
             + "</body></html>\n")
 
 

@@ -251,8 +251,9 @@ def teardown() -> int:
 
     With dumps on (``Config.dump_dir`` / ``GRAPHCOMP_DUMP_DIR``) it first writes
     ``DIR/rank<R>/runtime.json``: every whole-step and optimizer-step capture (mode,
-    calls, replays, re-captures, decisions) and the counters, which ``graphcomp
-    inspect DIR`` shows."""
+    calls, replays, re-captures, decisions), the counters and, on CUDA, the measured
+    peak memory (:func:`measured_memory`), which ``graphcomp inspect DIR`` shows
+    beside the graphs' estimated peaks."""
     owners = RUNTIME.owner_stats()
     n = RUNTIME.teardown()
     _write_runtime_record(owners)
@@ -266,9 +267,25 @@ def _write_runtime_record(owners: list[dict[str, Any]]) -> None:
     from .. import dump
 
     try:
-        dump.write_runtime(target[0], target[1], {"owners": owners, "counters": dict(SESSION.counters)})
+        rec = {"owners": owners, "counters": dict(SESSION.counters)}
+        mem = measured_memory()
+        if mem is not None:
+            rec["memory"] = mem
+        dump.write_runtime(target[0], target[1], rec)
     except Exception as e:  # noqa: BLE001 - never fail the exit path over a report
         log.warning("graphcomp: writing %s/rank%d/runtime.json failed: %s", target[0], target[1], e)
+
+
+def measured_memory() -> dict[str, Any] | None:
+    """The CUDA caching allocator's peaks on the current device (``torch.cuda.
+    max_memory_allocated`` / ``max_memory_reserved``: since the process started or the
+    user's last ``reset_peak_memory_stats``), for ``runtime.json``; None when CUDA was
+    never initialized in this process (CPU runs)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    dev = torch.cuda.current_device()
+    return {"device": f"cuda:{dev}", "max_allocated_bytes": int(torch.cuda.max_memory_allocated(dev)),
+            "max_reserved_bytes": int(torch.cuda.max_memory_reserved(dev))}
 
 
 def reset() -> None:

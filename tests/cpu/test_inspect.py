@@ -278,3 +278,35 @@ def test_html_renders_in_a_headless_browser(tmp_path):
                     f"--screenshot={png}", page.as_uri()], capture_output=True, timeout=120)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a rendered page, not an empty canvas
+
+
+def test_measured_peak_against_the_largest_estimate(tmp_path, monkeypatch):
+    """runtime.json's ``memory`` (teardown, CUDA only) and ``graphcomp inspect``'s
+    measured-vs-estimated lines (issue 14: "the estimated vs measured peak")."""
+    from graphcomp.inspect_dumps import inspect_dir, largest_estimate
+    from graphcomp.inspect_html import render_html
+    from graphcomp.runtime import manager
+
+    # CPU process: nothing measured
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert manager.measured_memory() is None
+    # a CUDA process (the allocator's peaks stood in)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 270 if d == 1 else -1)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 512 if d == 1 else -1)
+    mem = manager.measured_memory()
+    assert mem == {"device": "cuda:1", "max_allocated_bytes": 270, "max_reserved_bytes": 512}
+
+    root = _synthetic_summary(tmp_path / "d")  # its fwd stage: est. 400 B, Inductor 300 B, codegen inductor
+    summary = json.loads((root / "rank0" / "summary.json").read_text())
+    assert largest_estimate(summary) == (300, 0, "fwd")
+    (root / "rank0" / "runtime.json").write_text(json.dumps({"owners": [], "counters": {}, "memory": mem}))
+    text = inspect_dir(root)
+    assert "measured peak on cuda:1: 270 B allocated, 512 B reserved" in text, text
+    assert "largest estimated graph peak: 300 B (frame 0, fwd;" in text and "measured / estimated 0.90" in text, text
+    assert "measured / estimated 0.90" in render_html(root)
+    # a runtime record without memory (CPU): no such lines
+    (root / "rank0" / "runtime.json").write_text(json.dumps({"owners": [], "counters": {}}))
+    assert "measured peak" not in inspect_dir(root)
