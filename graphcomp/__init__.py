@@ -53,6 +53,7 @@ from . import env as _env
 from . import optim
 from .config import Config
 from .sharding import shard
+from .guard_filter import guard_filter
 from .step_capture import capture_step
 from . import runtime as _runtime  # noqa: F401 (attaches the CUDA-graph runtime to the session)
 from .session import SESSION as _SESSION
@@ -96,4 +97,5 @@ if _env.log_level():
     _log.setLevel(_env.log_level())
 _compat.graph_logger()  # registers the "graphcomp_graphs" artifact of torch._logging.set_logs
 
-__all__ = ["Config", "backend", "capture_step", "counters", "frame_summaries", "optim", "reset", "shard", "__version__"]
+__all__ = ["Config", "backend", "capture_step", "counters", "frame_summaries", "guard_filter", "optim", "reset", "shard",
+           "__version__"]

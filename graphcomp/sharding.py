@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _compat, embedding_exchange, gather_scope, gloo_groups, mesh_sharding
+from . import _compat, embedding_exchange, gather_scope, gloo_groups, guard_filter, mesh_sharding
 from .shard_gather import _GatherParam, gather, gather_local, reduce_grad  # noqa: F401 (re-exported)
 from .shard_layout import (  # noqa: F401 (re-exported)
     _INFO_ATTR, ShardInfo, _contiguous_strides, _dtensor_cls, _padded_local, _row_slice,
@@ -325,6 +325,8 @@ def shard(
             else:
                 dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
             newp = nn.Parameter(dt, requires_grad=p.requires_grad)
+            if not two_d:  # its spec never reaches a traced graph (graphcomp.guard_filter)
+                guard_filter.own(newp)
             for k, v in vars(p).items():  # user tags on the parameter (e.g. no-weight-decay flags)
                 setattr(newp, k, v)
             new_params[id(p)] = (newp, info)
