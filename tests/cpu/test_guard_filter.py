@@ -4,25 +4,12 @@ every other guard (another DTensor's spec included), and changes no result."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 
 import graphcomp
 from graphcomp.models import Llama, LlamaConfig, synthetic_batch
 
 CFG = LlamaConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24, max_seq_len=16)
-
-
-@pytest.fixture
-def pg1():
-    if dist.is_initialized():
-        pytest.fail("a process group leaked from an earlier test (each in-process test must destroy its group)")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(filter_fn, steps=3):

@@ -470,18 +470,7 @@ def test_state_dict_round_trips(tmp_path, ranks2):
 
 
 # ------------------------------------------- world size 1 and bad input (in process)
-@pytest.fixture
-def pg1():
-    """A one-process gloo group in the test process (destroyed afterwards)."""
-    if dist.is_initialized():
-        pytest.fail("a process group leaked from an earlier test (each in-process test must destroy its group)")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
+# (pg1: a one-process gloo group, tests/cpu/conftest.py)
 def test_no_process_group_is_a_clear_error():
     if dist.is_initialized():
         pytest.fail("a process group leaked from an earlier test (each in-process test must destroy its group)")

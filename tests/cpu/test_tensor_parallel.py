@@ -315,20 +315,8 @@ def test_state_dict_dcp_and_clip_on_the_2x2_mesh(ranks4, tmp_path):
 
 
 # ----------------------------------------------------------------- bad input
-@pytest.fixture
-def pg1():
-    """A 1-rank gloo group in this process (meshes of size 1 on every dimension)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
+# (pg1: a 1-rank gloo group in this process, meshes of size 1 on every dimension:
+# tests/cpu/conftest.py)
 def _tp_model(mesh_tp):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
