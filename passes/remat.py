@@ -508,8 +508,8 @@ def remat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             # the user's checkpointing recomputes activations the budget has room for:
             # say so (remat="auto" would save what fits; W3 on 2 H200s: 1.03x -> 1.23x)
             ctx.count("room_under_budget_bytes", room)
-            hint = (f"the user's activation checkpointing recomputes {len(recomputed)} activations "
-                    f"({user_bytes} B) while the estimated peak leaves {room} B of the budget unused: "
+            hint = (f"the user's activation checkpointing marks {len(recomputed)} values ({user_bytes} B) "
+                    f"for recomputation while the estimated peak leaves {room} B of the budget unused: "
                     f"remat='auto' would save the checkpointed activations that fit")
             ctx.note(hint)
             log.info("graphcomp remat (frame %s): %s", ctx.frame_id, hint)

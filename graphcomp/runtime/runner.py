@@ -60,8 +60,8 @@ from __future__ import annotations
 
 import gc
 import logging
-import warnings
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
