@@ -345,3 +345,39 @@ def test_oversized_reduce_scatter_is_not_waited_when_the_next_small_one_is_ready
         torch.ops.aten.mm.default, torch.ops.aten.tanh.default))
     assert nodes.index(head_wait) > last_compute  # before: waited when the norm's was ready
     assert rec.counts["rs_waited_early"] == 1  # the norm's, when the weight's would pass the cap
+
+
+def test_over_budget_the_largest_passing_cap_is_found_by_bisection(monkeypatch):
+    """When the configured cap's schedule estimates over the budget, the pass keeps the
+    largest halving of the cap that passes, with O(log) plans instead of one per
+    halving (8 s on W3's graphs under a 70 GiB cap). The estimate is stood in: a
+    schedule planned with a cap above THRESHOLD is over the budget."""
+    from graphcomp.passes import schedule_prefetch as sp
+
+    real_plan, real_estimate = sp.plan, memory.estimate
+    planned = []
+
+    def plan(gm, cap, budget, move_rs=True):
+        planned.append(cap)
+        return real_plan(gm, cap, budget, move_rs)
+
+    def estimate(gm):
+        est = real_estimate(gm)
+        if planned and planned[-1] > THRESHOLD:  # the schedule just planned: over the budget
+            est = type(est)(**{**est.__dict__, "peak_bytes": est.peak_bytes + 10**9})
+        return est
+
+    monkeypatch.setattr(sp, "plan", plan)
+    monkeypatch.setattr(sp.memory, "estimate", estimate)
+    cap0 = 2**20
+    for THRESHOLD in (3 * W_BYTES, W_BYTES, 2**19, 1):
+        planned.clear()
+        gm0 = _layers(4)
+        budget = real_estimate(gm0).peak_bytes + 10**6  # room for any real schedule
+        gm, rec = run_pass("schedule_prefetch", gm0, stage="fwd", prefetch_bytes=cap0, memory_budget=budget)
+        expect = max(c for c in (cap0 >> k for k in range(21)) if c <= THRESHOLD)
+        assert planned[-1] == expect, (THRESHOLD, planned)  # the schedule kept
+        assert any(f"prefetch cap lowered to {expect} bytes" in n for n in rec.notes), rec.notes
+        # the first try, about log2(21) = 5 bisection steps, the final plan: not 21 halvings
+        assert rec.counts["schedules_tried"] == len(planned) <= 8, planned
+        assert real_estimate(gm).peak_bytes <= budget
