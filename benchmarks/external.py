@@ -293,14 +293,15 @@ def memory_estimate(opt: torch.optim.Optimizer, codegen: str = "inductor") -> di
     reuse (``peak_bytes_inductor``); ``estimated_step_peak_bytes_unfused`` is the same
     sum with every FX value materialized (what ``codegen="eager"`` allocates)."""
     import graphcomp
+    from graphcomp import memory
 
     peaks: dict[str, int] = {}
     unfused: dict[str, int] = {}
     for f in graphcomp.frame_summaries():
         for stage, d in f.get("stages", {}).items():
             mem = d.get("memory") or {}
-            flat = mem.get("peak_bytes_allocated", mem.get("peak_bytes"))  # what max_memory_allocated counts
-            pk = mem.get("peak_bytes_inductor", flat) if codegen == "inductor" else flat
+            flat = memory.allocated_peak(mem, "eager")  # what max_memory_allocated counts, unfused
+            pk = memory.allocated_peak(mem, codegen)
             if stage in ("fwd", "bwd") and isinstance(pk, int):
                 peaks[stage] = max(peaks.get(stage, 0), pk)
                 unfused[stage] = max(unfused.get(stage, 0), flat)

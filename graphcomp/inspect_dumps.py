@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from . import memory
 from .dump import load_runtime, load_summaries
 
 
@@ -209,9 +210,7 @@ def largest_estimate(summary: dict[str, Any]) -> tuple[int, int, str] | None:
     best = None
     for f in summary.get("frames", []):
         for stage, st in f.get("stages", {}).items():
-            m = st.get("memory") or {}
-            flat = m.get("peak_bytes_allocated", m.get("peak_bytes"))
-            pk = m.get("peak_bytes_inductor", flat) if f.get("codegen") == "inductor" else flat
+            pk = memory.allocated_peak(st.get("memory") or {}, f.get("codegen"))
             if stage in ("fwd", "bwd") and isinstance(pk, int) and (best is None or pk > best[0]):
                 best = (pk, f.get("frame"), stage)
     return best

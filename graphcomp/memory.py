@@ -462,6 +462,14 @@ def timeline_summary(nodes: list[fx.Node], conservative: list[int], inductor: li
             "bytes_inductor": bucket_max(inductor, step), "collectives": colls}
 
 
+def allocated_peak(mem: dict[str, Any], codegen: str) -> int | None:
+    """From a :func:`summary`: the estimated peak ``torch.cuda.max_memory_allocated``
+    would count for a graph compiled with ``codegen`` (Inductor's fusion modelled for
+    ``"inductor"``, every FX value materialized otherwise); None if not estimated."""
+    flat = mem.get("peak_bytes_allocated", mem.get("peak_bytes"))
+    return mem.get("peak_bytes_inductor", flat) if codegen == "inductor" else flat
+
+
 def summary(gm: fx.GraphModule, top: int = 5, persistent: Iterable[fx.Node] | None = None) -> dict[str, Any]:
     """JSON for ``summary.json`` / ``graphcomp inspect``: estimated peak, where it
     occurs (node, its op, position) and the largest storages live there.
