@@ -288,6 +288,7 @@ def shard(
         group = gloo_groups.serial_group(group)  # one gloo worker thread (docs/heap-corruption.md)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     group_name = _compat.process_group_name(group)
+    _compat.register_fused_optimizer_meta()  # fused optimizers on the DTensor parameters: see _compat
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 

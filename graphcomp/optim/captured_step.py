@@ -167,6 +167,7 @@ class CapturedStep:
         step's device tensors; runs again after ``load_state_dict`` / ``add_param_group``."""
         opt = self.opt
         adam = type(opt) is not torch.optim.SGD
+        _compat.register_fused_optimizer_meta()  # a fused step with a tensor lr on DTensors: no FakeTensor fallback
         self._params = list(dict.fromkeys(p for g in opt.param_groups for p in g["params"]))
         device = self._params[0].device
         moved = 0
