@@ -22,6 +22,8 @@
 #                     graphcomp vs FSDP2 + TP + compile on a (1, 2) mesh
 #   FRESH_CACHE=1     every system compiles with an empty Inductor cache (--fresh-cache: cold compile)
 #   MEMORY_CAP        GiB per GPU for every system (--memory-cap; graphcomp gets it as memory_budget)
+#   STACKS=S          sample rank 0's main-thread stack every S seconds (benchmarks/stack_sampler) into
+#                     stacks/ beside the results; `python -m benchmarks.stack_summary FILE` reads one
 #   BENCH_GIT_COMMIT  the commit to record (the GPU machine's copy has no .git)
 #   BENCH_NGPU        pretend this many GPUs (dry run on a CPU machine: smoke:2 runs on gloo)
 #
@@ -109,6 +111,11 @@ if [ -d .whl ]; then
   fi
 else
   say "no .whl/ carried: deepspeed and simplefsdp systems will report 'not run' (see benchmarks/README.md)"
+fi
+
+if [ -n "${STACKS:-}" ]; then
+  export STACKS_DIR="$RES/stacks" STACKS_S="$STACKS" PYTHONPATH="$PWD/benchmarks/stack_sampler${PYTHONPATH:+:$PYTHONPATH}"
+  say "sampling rank 0's stack every ${STACKS}s into $STACKS_DIR"
 fi
 
 RUNS=("$@")
