@@ -91,21 +91,6 @@ class _GatherParam(torch.autograd.Function):
         return g.to(ctx.orig_dtype), None, None, None, None, None, None
 
 
-@torch.compiler.allow_in_graph
-def _gather_apply(
-    local: torch.Tensor, rows: int, shape: tuple[int, ...], param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype, group_name: str, world_size: int,
-) -> torch.Tensor:
-    """``_GatherParam.apply``, put into Dynamo's graph as one call node. Traced into,
-    the autograd.Function made Dynamo speculate its forward and backward at every
-    parameter access (291 on W3, inside the checkpoint regions too): on a 32-block CPU
-    copy of W3 on two ranks that was 10 of 24 s of bytecode tracing, and the first step
-    took 61 s against 42 s with this node. AOTAutograd traces through the call, so the
-    joint graph, and every pass after it, is the same op for op
-    (``tests/cpu/test_sharding.py::test_dynamo_traces_each_gather_as_one_node``)."""
-    return _GatherParam.apply(local, rows, shape, param_dtype, reduce_dtype, group_name, world_size)
-
-
 def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     """The full (logical-shape) value of a sharded parameter, cast to
     ``info.param_dtype``; differentiable (the gradient is reduce-scattered to the
@@ -115,7 +100,7 @@ def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
         out = local.narrow(0, 0, info.rows).reshape(info.shape)
         out = out if info.param_dtype is None else out.to(info.param_dtype)
     else:
-        out = _gather_apply(
+        out = _GatherParam.apply(
             local, info.rows, info.shape, info.param_dtype, info.reduce_dtype, info.group_name, info.world_size
         )
     return out if info.tp is None else mesh_sharding.for_module(out, info)
