@@ -23,16 +23,17 @@ STRESS = Path(__file__).resolve().parents[1] / "stress" / "gloo_stress.py"
 @pytest.mark.timeout(420)
 def test_gloo_stress_short(tmp_path):
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, str(STRESS), "--iters", "4", "--ranks", "2", "--steps", "3", "--codegen", "eager",
+    # a smoke of the stress script (2 iterations; the failure it hunts showed once in 150)
+    cmd = [sys.executable, str(STRESS), "--iters", "2", "--ranks", "2", "--steps", "3", "--codegen", "eager",
            "--timeout", "120", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
-    assert s["iterations"] == 4
+    assert s["iterations"] == 2
     assert (s["crashes"], s["timeouts"], s["errors"]) == (0, 0, 0), s["failures"]
-    assert s["ok"] == 4 and proc.returncode == 0
+    assert s["ok"] == 2 and proc.returncode == 0
     assert s["malloc_checks"] and s["prefetch_cpu"] == "default"
-    assert s["compiles"] == 4
+    assert s["compiles"] == 2
     # one worker thread per gloo group: the default prefetches on CPU graphs too (each
     # compile reorders its forward and its backward; docs/heap-corruption.md)
     assert s["prefetch_changed_frames"] == 2 * s["compiles"]
