@@ -231,10 +231,12 @@ def is_joint_graph(gm: fx.GraphModule) -> bool:
 
 
 # -------------------------------------------------------------------- Inductor
-def inductor_compile_fx(gm: fx.GraphModule, example_inputs: Sequence[Any], *, inner_compile: Callable[..., Any]) -> Callable[..., Any]:
+def inductor_compile_fx(gm: fx.GraphModule, example_inputs: Sequence[Any], *, inner_compile: Callable[..., Any],
+                        extra_decompositions: dict[Any, Any] | None = None) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    decomps = {**inductor_decompositions(), **extra_decompositions} if extra_decompositions else None
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile, decompositions=decomps)
 
 
 def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

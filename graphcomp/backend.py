@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import _compat, agreement, dump, graph_utils, memory
+from . import _compat, agreement, dump, graph_utils, memory, shard_gather
 from .config import Config
 from .pipeline import PassContext, run_stage
 from .plan import FramePlan, StageInputs
@@ -248,13 +248,15 @@ class FrameCompiler:
                 hook = _compat.make_joint_hook(self.joint_hook, cache_uuid(self.cfg, captures))
                 self.joint_hook_obj = hook  # re-installed around every stage compile (cache key)
                 with _compat.inductor_patches(hook, no_donated_buffers=captures):
-                    return _compat.inductor_compile_fx(gm, example_inputs, inner_compile=self.inner_compile)
+                    return _compat.inductor_compile_fx(gm, example_inputs, inner_compile=self.inner_compile,
+                                                       extra_decompositions=shard_gather.DECOMPOSITIONS)
             backend = _compat.aot_autograd(
                 fw_compiler=self.eager_compiler("fwd"),
                 bw_compiler=self.eager_compiler("bwd"),
                 inference_compiler=self.eager_compiler("inference"),
                 partition_fn=self.eager_partition,
                 keep_inference_input_mutations=True,
+                decompositions=dict(shard_gather.DECOMPOSITIONS),
             )
             return backend(gm, example_inputs)
         finally:

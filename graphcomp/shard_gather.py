@@ -5,6 +5,7 @@ parameter and its gradient back into the shard's (``gather`` differentiable,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,42 +54,88 @@ def reduce_grad(grad: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...
     return g.to(info.orig_dtype)
 
 
+def _gather_full(local: torch.Tensor, rows: int, shape: Sequence[int], param_dtype: torch.dtype | None,
+                 group_name: str, world_size: int) -> torch.Tensor:
+    """The forward of a gather: all-gather, narrow, reshape, cast."""
+    _debug_agree("all_gather", group_name, local)
+    full = _compat.funcol_all_gather(local.contiguous(), group_name, world_size)
+    out = full.narrow(0, 0, rows).reshape(shape)
+    return out if param_dtype is None else out.to(param_dtype)
+
+
+def _save_for_reduce(ctx: Any, local: torch.Tensor, rows: int, reduce_dtype: torch.dtype, group_name: str,
+                     world_size: int) -> None:
+    ctx.rows, ctx.group_name, ctx.world_size = rows, group_name, world_size
+    ctx.reduce_dtype, ctx.orig_dtype = reduce_dtype, local.dtype
+    ctx.padded_rows = local.shape[0] * world_size
+    ctx.row_shape = tuple(local.shape[1:])
+
+
+def _reduce_to_shard(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The backward of a gather: cast to reduce_dtype, pad, reduce-scatter (sum), / W,
+    cast back (then ``None`` for the six non-tensor arguments)."""
+    g = grad.to(ctx.reduce_dtype).reshape(ctx.rows, *ctx.row_shape)
+    pad = ctx.padded_rows - ctx.rows
+    g = F.pad(g, (0, 0) * len(ctx.row_shape) + (0, pad)) if pad else g.contiguous()
+    _debug_agree("reduce_scatter", ctx.group_name, g)
+    g = _compat.funcol_reduce_scatter_sum(g, ctx.group_name, ctx.world_size)
+    g = g / ctx.world_size
+    return g.to(ctx.orig_dtype), None, None, None, None, None, None
+
+
 class _GatherParam(torch.autograd.Function):
     """All-gather a padded local shard into the logical parameter; the backward
-    reduce-scatters the gradient (averaged over ranks) back to the shard. (Plain
-    arguments, not the ShardInfo: what Dynamo traces into the graph as constants.)"""
+    reduce-scatters the gradient (averaged over ranks) back to the shard. The same
+    computation as :func:`gather_shard`, as an autograd.Function (hand-built graphs
+    in the tests use it)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        local: torch.Tensor,
-        rows: int,
-        shape: tuple[int, ...],
-        param_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype,
-        group_name: str,
-        world_size: int,
+        ctx: Any, local: torch.Tensor, rows: int, shape: tuple[int, ...], param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype, group_name: str, world_size: int,
     ) -> torch.Tensor:
-        ctx.rows, ctx.group_name, ctx.world_size = rows, group_name, world_size
-        ctx.reduce_dtype, ctx.orig_dtype = reduce_dtype, local.dtype
-        ctx.padded_rows = local.shape[0] * world_size
-        ctx.row_shape = tuple(local.shape[1:])
-        _debug_agree("all_gather", group_name, local)
-        full = _compat.funcol_all_gather(local.contiguous(), group_name, world_size)
-        out = full.narrow(0, 0, rows).reshape(shape)
-        if param_dtype is not None:
-            out = out.to(param_dtype)
-        return out
+        _save_for_reduce(ctx, local, rows, reduce_dtype, group_name, world_size)
+        return _gather_full(local, rows, shape, param_dtype, group_name, world_size)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        g = grad.to(ctx.reduce_dtype).reshape(ctx.rows, *ctx.row_shape)
-        pad = ctx.padded_rows - ctx.rows
-        g = F.pad(g, (0, 0) * len(ctx.row_shape) + (0, pad)) if pad else g.contiguous()
-        _debug_agree("reduce_scatter", ctx.group_name, g)
-        g = _compat.funcol_reduce_scatter_sum(g, ctx.group_name, ctx.world_size)
-        g = g / ctx.world_size
-        return g.to(ctx.orig_dtype), None, None, None, None, None, None
+        return _reduce_to_shard(ctx, grad)
+
+
+@torch.library.custom_op("graphcomp::gather_shard", mutates_args=())
+def gather_shard(local: torch.Tensor, rows: int, shape: list[int], param_dtype: torch.dtype | None,
+                 reduce_dtype: torch.dtype, group_name: str, world_size: int) -> torch.Tensor:
+    """A sharded parameter's gather as one op. Dynamo records it as one node, where
+    it speculated ``_GatherParam``'s forward and backward at every parameter access
+    (291 on W3, in the checkpoint regions too; on a 32-block CPU copy of W3 on two
+    ranks, bytecode tracing 22-25 s -> 11 s). AOTAutograd decomposes it
+    (:data:`DECOMPOSITIONS`, passed by the backend to both codegens) into the same
+    collectives and views, and its autograd formula is ``_GatherParam``'s, so the
+    joint graph is the one the autograd.Function traced to. A ``torch.library`` op and
+    not a ``torch.compiler.allow_in_graph`` function: a frame calling the latter loses
+    Dynamo's graph-break fallback when the backend fails (reverted b703a2c)."""
+    return _gather_full(local, rows, shape, param_dtype, group_name, world_size)
+
+
+@gather_shard.register_fake
+def _gather_shard_fake(local, rows, shape, param_dtype, reduce_dtype, group_name, world_size):  # noqa: ANN001
+    return local.new_empty(shape, dtype=param_dtype or local.dtype)
+
+
+def _gather_shard_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    local, rows, _shape, _param_dtype, reduce_dtype, group_name, world_size = inputs
+    _save_for_reduce(ctx, local, rows, reduce_dtype, group_name, world_size)
+
+
+gather_shard.register_autograd(_reduce_to_shard, setup_context=_gather_shard_setup)
+
+
+def _gather_shard_decomposition(local, rows, shape, param_dtype, reduce_dtype, group_name, world_size):  # noqa: ANN001
+    return _gather_full(local, rows, shape, param_dtype, group_name, world_size)
+
+
+# what AOTAutograd decomposes (both codegens): gather_shard into its collectives and views
+DECOMPOSITIONS = {torch.ops.graphcomp.gather_shard.default: _gather_shard_decomposition}
 
 
 def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
@@ -100,7 +147,7 @@ def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
         out = local.narrow(0, 0, info.rows).reshape(info.shape)
         out = out if info.param_dtype is None else out.to(info.param_dtype)
     else:
-        out = _GatherParam.apply(
-            local, info.rows, info.shape, info.param_dtype, info.reduce_dtype, info.group_name, info.world_size
+        out = gather_shard(
+            local, info.rows, list(info.shape), info.param_dtype, info.reduce_dtype, info.group_name, info.world_size
         )
     return out if info.tp is None else mesh_sharding.for_module(out, info)
