@@ -19,8 +19,10 @@ for a cached subclass with a ``property`` per sharded name, so ``module.weight``
         -> DTensor grad on the shard (AccumulateGrad accumulates micro-batches)
 
 The collectives are ``_c10d_functional`` ops called with the group *name*, so
-Dynamo traces them into the graph as functional collectives (one gather per
-parameter access, one reduce-scatter per access of a trainable parameter). With
+they reach the joint graph as functional collectives (one gather per parameter
+access, one reduce-scatter per access of a trainable parameter). Dynamo records each
+gather as one ``graphcomp::gather_shard`` op, which AOTAutograd decomposes into the
+collectives and views above (``shard_gather.gather_shard``). With
 a world size of 1 there is no collective: narrow, reshape and cast only.
 
 ``state_dict()`` presents each sharded parameter as a DTensor of the *logical*
