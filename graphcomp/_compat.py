@@ -231,12 +231,23 @@ def is_joint_graph(gm: fx.GraphModule) -> bool:
 
 
 # -------------------------------------------------------------------- Inductor
-def inductor_compile_fx(gm: fx.GraphModule, example_inputs: Sequence[Any], *, inner_compile: Callable[..., Any],
-                        extra_decompositions: dict[Any, Any] | None = None) -> Callable[..., Any]:
+def inductor_compile_fx(gm: fx.GraphModule, example_inputs: Sequence[Any], *, inner_compile: Callable[..., Any]) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
 
-    decomps = {**inductor_decompositions(), **extra_decompositions} if extra_decompositions else None
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, decompositions=decomps)
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def register_inductor_decompositions(table: dict[Any, Any]) -> None:
+    """Add ``table`` to Inductor's own decomposition table (idempotent; ops already there
+    are left alone). Passing ``decompositions=`` to ``compile_fx`` instead made every
+    compile bypass Inductor's FX-graph cache."""
+    from torch._inductor import decomposition
+
+    # select_decomp_table() returns a cached copy of the table (fast_random_decomps)
+    # unless a fallback config is set: both get the entries
+    for target in (decomposition.decompositions, decomposition.fast_random_decomps()):
+        for op, fn in table.items():
+            target.setdefault(op, fn)
 
 
 def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

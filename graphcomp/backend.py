@@ -248,8 +248,8 @@ class FrameCompiler:
                 hook = _compat.make_joint_hook(self.joint_hook, cache_uuid(self.cfg, captures))
                 self.joint_hook_obj = hook  # re-installed around every stage compile (cache key)
                 with _compat.inductor_patches(hook, no_donated_buffers=captures):
-                    return _compat.inductor_compile_fx(gm, example_inputs, inner_compile=self.inner_compile,
-                                                       extra_decompositions=shard_gather.DECOMPOSITIONS)
+                    _compat.register_inductor_decompositions(shard_gather.DECOMPOSITIONS)
+                    return _compat.inductor_compile_fx(gm, example_inputs, inner_compile=self.inner_compile)
             backend = _compat.aot_autograd(
                 fw_compiler=self.eager_compiler("fwd"),
                 bw_compiler=self.eager_compiler("bwd"),

@@ -626,3 +626,18 @@ def test_dynamo_traces_each_gather_as_one_node(ranks2):
         assert r["checkpoints"] == 2, r
         # every parameter gathered once in the forward; the recomputation reuses the node
         assert r["gathers"] == r["params"], r
+
+
+def test_gather_op_decomposes_under_inductor_even_after_its_table_was_cached():
+    """Inductor's AOTAutograd must decompose graphcomp::gather_shard (or graphcomp's
+    passes would see no collectives): the backend adds it to Inductor's table, also to
+    the copy select_decomp_table() caches on its first call."""
+    from torch._inductor import decomposition
+
+    from graphcomp import _compat, shard_gather
+
+    decomposition.select_decomp_table()  # an earlier Inductor compile cached the table
+    _compat.register_inductor_decompositions(shard_gather.DECOMPOSITIONS)
+    op = torch.ops.graphcomp.gather_shard.default
+    assert decomposition.select_decomp_table()[op] is shard_gather.DECOMPOSITIONS[op]
+    assert decomposition.decompositions[op] is shard_gather.DECOMPOSITIONS[op]
