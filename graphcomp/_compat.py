@@ -873,8 +873,9 @@ def group_ranks(group_name: str) -> list[int] | None:
 # torch (2.11, 2.13) has Meta kernels for `_fused_adam_` / `_fused_adamw_` with a float
 # lr only. A fused Adam/AdamW whose lr is a tensor (graphcomp's captured step makes it
 # one) on DTensor parameters goes through DTensor's sharding propagation, which runs the
-# op on fake tensors; without a Meta kernel FakeTensor's fallback materializes a real zero tensor for every parameter, gradient and state and runs
-# the real kernel on them: measured 60+ s and a full extra copy of the optimizer's memory
+# op on fake tensors; without a Meta kernel FakeTensor's fallback materializes a real
+# zero tensor for every parameter, gradient and state and runs the real kernel on them:
+# measured 60+ s and a full extra copy of the optimizer's memory
 # in the first step of W3 (8B) on 4 H200s, and 8.8 s against 0.09 s for 40 4M-element
 # DTensors on a CPU. These ops are in place and return nothing, so their Meta kernel only
 # checks that the arguments are lists; each is registered only where torch has none.
