@@ -31,12 +31,9 @@ def _debug_agree(kind: str, group_name: str, t: torch.Tensor) -> None:
 def gather_local(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     """The logical parameter from a padded local shard (an all-gather over the
     group, then narrow, reshape, cast to ``param_dtype``); not differentiable."""
-    if info.world_size == 1:
-        out = local.narrow(0, 0, info.rows).reshape(info.shape)
-    else:
-        _debug_agree("all_gather", info.group_name, local)
-        full = _compat.funcol_all_gather(local.contiguous(), info.group_name, info.world_size)
-        out = full.narrow(0, 0, info.rows).reshape(info.shape)
+    if info.world_size > 1:
+        return _gather_full(local, info.rows, info.shape, info.param_dtype, info.group_name, info.world_size)
+    out = local.narrow(0, 0, info.rows).reshape(info.shape)
     return out if info.param_dtype is None else out.to(info.param_dtype)
 
 
