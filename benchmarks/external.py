@@ -382,6 +382,13 @@ def build_graphcomp_remat_auto(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"remat": "auto"})
 
 
+def build_graphcomp_compile_regions(ctx: Ctx) -> Built:
+    """graphcomp with ``compile_regions=True``: the forward and backward graphs cut
+    into regions (one per block in a sharded transformer) and each distinct region
+    compiled once (cold compile of deep models)."""
+    return build_graphcomp(ctx, options={"compile_regions": True})
+
+
 def build_graphcomp_whole_step_flat_buckets(ctx: Ctx) -> Built:
     """``graphcomp-whole_step`` with ``zero_copy_buckets`` off: its buckets gathered
     into one flat buffer and copied out, gradients packed into one (W1's A/B of that
@@ -492,6 +499,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp": build_graphcomp,
     "graphcomp-eager_optimizer": build_graphcomp_eager_optimizer,
     "graphcomp-remat_auto": build_graphcomp_remat_auto,
+    "graphcomp-compile_regions": build_graphcomp_compile_regions,
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-whole_step-flat_buckets": build_graphcomp_whole_step_flat_buckets,
     "graphcomp-inductor_memory_reorder": build_graphcomp_inductor_memory_reorder,

@@ -157,6 +157,23 @@ class Config:
     graph (launch savings below replay overhead): it joins its eager neighbours.
     Must be >= 1."""
 
+    compile_regions: bool = False
+    """Regional compilation (pass ``partition_graph``, Inductor codegen only): cut the
+    forward and backward graphs into regions at points where no collective is in
+    flight, each just after a collective's wait and holding at least
+    ``region_min_nodes`` compute nodes (in a sharded transformer: one region per
+    block), and compile each distinct region once: regions whose graphs and input
+    shapes, strides and dtypes are the same reuse one compiled function. Cuts cold
+    compile time of deep models (Inductor's time grows with the graph's size); costs
+    the fusions across region boundaries and one more CUDA graph per region. Regions
+    are cut with or without CUDA graphs (without, they are eager pieces, each
+    compiled). ``graphcomp.counters``: ``regions``, ``regions_compiled``,
+    ``regions_reused``."""
+
+    region_min_nodes: int = 64
+    """``compile_regions``: the fewest compute nodes a region holds before the next
+    cut (smaller regions merge with the next). Must be >= 1."""
+
     max_captures: int = 8
     """CUDA graphs per piece: one capture per input-shape signature (shapes,
     strides, dtypes and scalar values of the inputs), up to this many; a piece seen
@@ -282,7 +299,7 @@ class Config:
         if not self.rank_agreement_timeout > 0 or self.rank_agreement_timeout == float("inf"):
             raise ValueError(f"Config.rank_agreement_timeout: must be a finite number of seconds > 0, "
                              f"got {self.rank_agreement_timeout!r}")
-        for name in ("min_piece_nodes", "max_captures", "loss_chunk_tokens"):
+        for name in ("min_piece_nodes", "max_captures", "loss_chunk_tokens", "region_min_nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Config.{name}: must be >= 1, got {getattr(self, name)}")
         for op in self.split_ops:

@@ -61,6 +61,12 @@ class Counters(Mapping):
     """Language-model losses rewritten into the chunked op (chunk_lm_loss)."""
     pieces_not_inductor: int = 0
     """Split pieces run as FX graphs because Inductor cannot bind their scalar inputs."""
+    regions: int = 0
+    """Compile regions cut by partition_graph (Config.compile_regions)."""
+    regions_compiled: int = 0
+    """Compile regions (or pieces) compiled by Inductor, with compile_regions on."""
+    regions_reused: int = 0
+    """Compile regions that reused the compiled function of an identical region."""
     inductor_memory_reorders: int = 0
     """Graphs (or pieces) with graphcomp's collectives whose node order Inductor's
     reorder_for_peak_memory replaced (Config.inductor_memory_reorder)."""

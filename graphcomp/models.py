@@ -43,6 +43,8 @@ PRESETS: dict[str, LlamaConfig] = {
     # tests: a few hundred parameters per tensor, odd sizes so dim-0 shards are uneven
     "tiny": LlamaConfig(vocab_size=131, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=72, max_seq_len=64),
     # tensor-parallel tests: "tiny" with a vocabulary divisible by 2, 4 and 8 (TP splits it)
+    # regional compilation tests: "tiny" with 5 blocks (3 of them between the first and the last)
+    "tiny-deep": LlamaConfig(vocab_size=131, dim=32, n_layers=5, n_heads=4, n_kv_heads=2, ffn_dim=72, max_seq_len=64),
     "tiny-tp": LlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=72, max_seq_len=64),
     # `make demo`: trains in seconds on 2 CPU ranks
     "demo": LlamaConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=344, max_seq_len=128),

@@ -18,6 +18,16 @@ why (a frozen :class:`SplitReason` per cut node)::
     collective_pair   a collective and its wait would land in different pieces
     too_small         a capturable run shorter than ``Config.min_piece_nodes``
 
+With ``Config.compile_regions`` (Inductor codegen) the pieces are cut further into
+*regions* (:func:`region_cuts`): after a collective's wait, at a point where no
+collective is in flight and no multi-output node is separated from its getitems,
+once the region since the last cut holds ``Config.region_min_nodes`` compute nodes.
+In a sharded transformer every block's gather (forward) or reduce-scatter
+(backward) gives one such point per block, so the regions are the blocks, and the
+codegen compiles each distinct region once (``graphcomp.runtime.codegen``). Regions
+are cut even where nothing is captured (CPU graphs, ``cudagraphs="off"``): they
+are then eager pieces, each Inductor-compiled.
+
 Rewrites the graph with ``split_module(keep_original_order=True)`` into a
 top-level glue graph calling ``piece_0 .. piece_N`` (original node order kept);
 consecutive nodes with the same mode (``cudagraph`` / ``eager``) form one piece.
@@ -30,7 +40,7 @@ cudagraphs pass adds its runner plan to the pieces, the codegen
 
 No-op (nothing split, numerics untouched) when the graph holds no CUDA tensors
 (all CPU runs and CI) or ``Config.cudagraphs == "off"`` or the cudagraphs pass is
-disabled.
+disabled, unless ``Config.compile_regions`` asks for regions.
 """
 
 from __future__ import annotations
@@ -275,15 +285,70 @@ def _wait_of(node: fx.Node) -> list[fx.Node]:
     ]
 
 
+def _compute_nodes(ns: Sequence[fx.Node]) -> int:
+    return sum(1 for m in ns if not (m.op == "call_function" and m.target is operator.getitem))
+
+
+def region_cuts(nodes: Sequence[fx.Node], min_nodes: int) -> list[int]:
+    """Positions ``p`` (a cut before ``nodes[p]``) that split ``nodes`` into regions.
+
+    A position is a candidate when it follows a collective's wait (the first
+    position after the wait that qualifies) and cuts no span between a collective
+    and its last wait, nor between a node and its last ``getitem``. Candidates are
+    taken in order once the region since the previous cut holds at least
+    ``min_nodes`` compute nodes; a last region smaller than that joins the one before."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    blocked = [0] * (len(nodes) + 2)  # difference array over positions
+    waits: list[int] = []
+    for n in nodes:
+        ends: list[int] = []
+        if graph_utils.collective_kind(n) is not None:
+            ends = [pos[w] for w in _wait_of(n) if w in pos]
+        ends += [pos[u] for u in n.users if u in pos and u.op == "call_function" and u.target is operator.getitem]
+        if ends and max(ends) > pos[n]:
+            blocked[pos[n] + 1] += 1
+            blocked[max(ends) + 1] -= 1
+        if graph_utils.is_target(n, c10d.wait_tensor.default):
+            waits.append(pos[n])
+    free, run = [], 0
+    for p in range(len(nodes) + 1):
+        run += blocked[p]
+        free.append(run == 0)
+    cuts: list[int] = []
+    last, count = 0, [0]
+    for m in nodes:
+        count.append(count[-1] + (0 if (m.op == "call_function" and m.target is operator.getitem) else 1))
+    seen: set[int] = set()
+    for w in waits:
+        p = w + 1
+        while p < len(nodes) and not free[p]:
+            p += 1
+        if p >= len(nodes) or p in seen:
+            continue
+        seen.add(p)
+        if p > last and count[p] - count[last] >= min_nodes:
+            cuts.append(p)
+            last = p
+    if cuts and count[len(nodes)] - count[cuts[-1]] < min_nodes:
+        cuts.pop()
+    return cuts
+
+
 def plan_pieces(
     gm: fx.GraphModule,
     split_ops: Sequence[str] = (),
     min_piece_nodes: int = 1,
     predicate: Callable[[fx.Node], SplitReason | None] | None = None,
+    region_min_nodes: int | None = None,
+    capture: bool = True,
 ) -> tuple[dict[fx.Node, int], list[dict[str, Any]], list[SplitReason]]:
     """Assign every non-placeholder node a piece id. Returns (node -> piece,
     plan rows ``{piece, mode, nodes, reason}``, reasons). ``predicate`` overrides the
-    capturability test (tests)."""
+    capturability test (tests). ``region_min_nodes`` cuts the pieces further into
+    regions (:func:`region_cuts`); ``capture=False`` makes every piece eager (regions
+    of a graph that is not captured)."""
+    if not capture:
+        predicate = lambda n: None  # noqa: E731 (every piece is eager below; no per-node reasons)
     pred = predicate or (lambda n: uncapturable_reason(n, split_ops))
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     reason: dict[fx.Node, SplitReason] = {}
@@ -325,9 +390,7 @@ def plan_pieces(
         else:
             runs.append([mode, [n]])
     # runs too small to pay for capture join their eager neighbours
-    def compute_nodes(ns: list[fx.Node]) -> int:
-        return sum(1 for m in ns if not (m.op == "call_function" and m.target is operator.getitem))
-
+    compute_nodes = _compute_nodes
     for r in runs:
         if r[0] == "cudagraph" and compute_nodes(r[1]) < min_piece_nodes and len(runs) > 1:
             r[0] = "eager"
@@ -342,6 +405,14 @@ def plan_pieces(
             merged[-1][1].extend(r[1])
         else:
             merged.append([r[0], list(r[1])])
+    if region_min_nodes is not None:
+        regions: list[list[Any]] = []
+        for mode, ns in merged:
+            bounds = [0, *region_cuts(ns, region_min_nodes), len(ns)]
+            regions += [[mode, ns[a:b]] for a, b in zip(bounds, bounds[1:])]
+        merged = regions
+    if not capture:
+        merged = [["eager", ns] for _, ns in merged]
     assign: dict[fx.Node, int] = {}
     rows: list[dict[str, Any]] = []
     for i, (mode, ns) in enumerate(merged):
@@ -352,6 +423,10 @@ def plan_pieces(
             kinds = sorted({r.kind for r in rs})
             first = rs[0] if rs else None
             why = f"{','.join(kinds)}: {first.node}: {first.detail}" if first else ""
+            if not capture:
+                why = "not captured (no CUDA tensors, or cudagraphs off): a compile region"
+            elif not rs:
+                why = "a compile region of an eager run"
         else:
             why = ""
         rows.append({"piece": i, "mode": mode, "nodes": len(ns), "reason": why})
@@ -401,7 +476,10 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Cut the stage graph at nodes CUDA graphs cannot capture (see module docstring)."""
     cfg = ctx.config
     mode = getattr(cfg, "cudagraphs", "off")
+    regions = cfg.region_min_nodes if (cfg.compile_regions and cfg.codegen == "inductor") else None
     if mode == "off" or not cfg.pass_enabled("cudagraphs"):
+        if regions is not None:
+            return _split(gm, ctx, regions, capture=False)
         return ctx.unchanged(gm, "cudagraphs off (Config.cudagraphs='off' or the cudagraphs pass is disabled): no split")
     if not has_cuda_tensors(gm):
         if mode == "require":
@@ -412,13 +490,26 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 f"CUDA tensor (a CPU model or CPU inputs): nothing in it can be captured. Move the model and its "
                 f"inputs to a CUDA device, or use cudagraphs='auto' (captures what it can) or 'off'."
             )
+        if regions is not None:
+            return _split(gm, ctx, regions, capture=False)
         return ctx.unchanged(gm, "no CUDA tensors in the graph: nothing to capture, no split")
     folded = fold_host_constants(gm, to_users_device=cfg.codegen == "inductor")
     if folded:
         ctx.count("host_constants_folded", len(folded))
         log.info("graphcomp %s: folded %d host constant(s) (%s) into tensor constants", ctx.stage, len(folded),
                  ", ".join(folded))
-    assign, rows, reasons = plan_pieces(gm, cfg.split_ops, cfg.min_piece_nodes)
+    return _split(gm, ctx, regions, capture=True)
+
+
+def _split(gm: fx.GraphModule, ctx: PassContext, regions: int | None, capture: bool) -> PassResult:
+    cfg = ctx.config
+    assign, rows, reasons = plan_pieces(gm, cfg.split_ops, cfg.min_piece_nodes, region_min_nodes=regions,
+                                        capture=capture)
+    if regions is not None:
+        ctx.count("regions", len(rows))
+        ctx.counter("regions", len(rows))
+        log.info("graphcomp %s: %d compile region(s) of >= %d compute nodes (Config.compile_regions)",
+                 ctx.stage, len(rows), regions)
     for r in reasons:
         ctx.count(f"cut:{r.kind}")
     n_cg = sum(1 for r in rows if r["mode"] == "cudagraph")
@@ -426,11 +517,13 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ctx.count("pieces_cudagraph", n_cg)
     if not assign:
         return ctx.unchanged(gm, "empty graph: nothing to capture")
+    if not capture and len(rows) < 2:
+        return ctx.unchanged(gm, "nothing captured and one compile region: no split")
     split = split_graph(gm, assign)
     pieces = [Piece(index=r["piece"], mode=r["mode"], nodes=r["nodes"], reason=r["reason"]) for r in rows]
     ctx.frame.splits[ctx.stage] = SplitPlan(ctx.stage, split, gm, pieces, reasons)
     for p in pieces:
-        if not p.captured:
+        if not p.captured and capture:
             ctx.note(f"{p.name} eager ({p.nodes} nodes): {p.reason}")
             log.info("graphcomp %s %s runs eagerly: %s", ctx.stage, p.name, p.reason)
     return ctx.changed(split)

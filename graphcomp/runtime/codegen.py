@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from .. import graph_utils
 from ..plan import SplitPlan, StageInputs
+from ..session import SESSION
 from .manager import RUNTIME
 from .runner import CudaGraphRunner, EagerPiece
 
@@ -110,6 +111,7 @@ def compile_pieces(
     glue_static = _glue_static_idxs(split, list(inputs.static_idxs))
     piece_strides: dict[str, list[Any]] = {}
     calls = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
+    reuse: dict[str, tuple[Any, list[Any]]] | None = {} if getattr(cfg, "compile_regions", False) else None
     for piece in plan.pieces:
         name = piece.name
         sub = getattr(split, name)
@@ -122,7 +124,16 @@ def compile_pieces(
             sidx = [i for i, k in enumerate(kinds) if k not in ("copy", "scalar")]
         else:
             sidx = glue_static.get(name, [])
-        compiled, strides = _compile_one(compile_piece, sub, ex, sidx, report_strides)
+        key = region_key(sub, ex, sidx) if reuse is not None else None
+        if key is not None and key in reuse:
+            compiled, strides = reuse[key]
+            SESSION.counters.add("regions_reused")
+        else:
+            compiled, strides = _compile_one(compile_piece, sub, ex, sidx, report_strides)
+            if reuse is not None:
+                SESSION.counters.add("regions_compiled")
+                if key is not None:
+                    reuse[key] = (compiled, strides)
         piece_strides[name] = strides
         node = calls.get(name)
         names = [a.name if isinstance(a, fx.Node) else repr(a) for a in (node.args if node is not None else ())]
@@ -235,6 +246,43 @@ def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def region_key(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: list[int]) -> str | None:
+    """A key equal for two pieces exactly when one compiled function serves both:
+    the piece's code with every node renamed by position (so two blocks' regions,
+    ``mm_37`` and ``mm_41``, read the same), each input's shape, stride, storage
+    offset, dtype, device and ``requires_grad``, and the static input indices.
+    None (never reused) for a piece with symbolic shapes or module attributes
+    (constants), whose values the code does not show."""
+    import hashlib
+
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, n in enumerate(piece.graph.nodes):
+        if n.op in ("get_attr", "call_module"):
+            return None
+        if n.op == "output":
+            g.output(fx.node.map_arg(n.args[0], env.__getitem__))
+            continue
+        args = fx.node.map_arg(n.args, env.__getitem__)
+        kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+        env[n] = g.create_node(n.op, n.target if n.op != "placeholder" else f"in{i}", args, kwargs, name=f"v{i}")
+    parts = [g.python_code("self").src]
+    for v in example_inputs:
+        if isinstance(v, torch.Tensor):
+            dims = (*v.shape, *v.stride(), v.storage_offset())
+            if not all(is_concrete_int(d) for d in dims):
+                return None
+            parts.append(f"T{[int(d) for d in dims]}{v.dtype}{v.device}{v.requires_grad}")
+        elif isinstance(v, (int, float, bool, type(None))):
+            parts.append(repr(v))
+        else:
+            return None
+    parts.append(repr(sorted(static_idxs)))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def _compile_one(compile_piece: Any, sub: fx.GraphModule, ex: list[Any], sidx: list[int], report: bool) -> tuple[Any, list[Any]]:

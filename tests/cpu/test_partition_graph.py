@@ -582,3 +582,92 @@ def test_cpu_scalar_graph_input_still_cuts():
     assert pg.fold_host_constants(gm) == []
     r = reasons_by_node(gm)
     assert r["mul"].kind == "cpu", r
+
+
+# ------------------------------------------------------------------ compile regions
+def _blocks_graph(n_blocks=3, inflight_across=False):
+    """A forward of ``n_blocks`` identical blocks, each gathering its weight (issue,
+    wait, 3 matmul+relu); with ``inflight_across`` block k's gather is issued before
+    block k-1's compute (prefetch), so no point between blocks is free of it."""
+    from tests.cpu._graphs import trace
+
+    def f(x, *shards):
+        if not inflight_across:
+            for s in shards:
+                w = c10d.wait_tensor(c10d.all_gather_into_tensor(s, 2, "g")).view(8, 8)
+                for _ in range(3):
+                    x = torch.relu(x @ w)
+            return x
+        pending = c10d.all_gather_into_tensor(shards[0], 2, "g")
+        for k in range(len(shards)):
+            w = c10d.wait_tensor(pending).view(8, 8)
+            if k + 1 < len(shards):
+                pending = c10d.all_gather_into_tensor(shards[k + 1], 2, "g")
+            for _ in range(3):
+                x = torch.relu(x @ w)
+        return x
+
+    return trace(f, torch.randn(4, 8), *[torch.randn(32) for _ in range(n_blocks)])
+
+
+def _nodes(gm):
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def test_region_cuts_follow_waits_and_skip_inflight_spans():
+    gm = _blocks_graph(3)
+    nodes = _nodes(gm)
+    cuts = pg.region_cuts(nodes, min_nodes=4)
+    # one cut after each block's wait except the first (whose region would be too small): before blocks 2 and 3
+    assert len(cuts) == 2
+    for p in cuts:
+        assert nodes[p - 1].target is not c10d.all_gather_into_tensor.default
+        before = nodes[:p]
+        issued = [n for n in before if n.target is c10d.all_gather_into_tensor.default]
+        waited = [n for n in before if n.target is c10d.wait_tensor.default]
+        assert len(issued) == len(waited), "a collective is in flight across a region cut"
+    # with prefetch, the cut moves past the next issue's wait: still nothing in flight across a cut
+    gm2 = _blocks_graph(3, inflight_across=True)
+    nodes2 = _nodes(gm2)
+    for p in pg.region_cuts(nodes2, min_nodes=4):
+        issued = sum(1 for n in nodes2[:p] if n.target is c10d.all_gather_into_tensor.default)
+        waited = sum(1 for n in nodes2[:p] if n.target is c10d.wait_tensor.default)
+        assert issued == waited
+    # a last region below min_nodes joins the one before; min_nodes above the graph: no cut
+    assert pg.region_cuts(nodes, min_nodes=len(nodes)) == []
+
+
+def test_plan_pieces_regions_and_identical_region_keys():
+    from graphcomp.runtime.codegen import piece_example_inputs, region_key
+
+    gm = _blocks_graph(4)
+    assign, rows, _ = pg.plan_pieces(gm, region_min_nodes=4, capture=False)
+    assert [r["mode"] for r in rows] == ["eager"] * len(rows) and len(rows) == 4
+    split = pg.split_graph(gm, assign)
+    keys = []
+    for r in rows:
+        sub = getattr(split, f"piece_{r['piece']}")
+        keys.append(region_key(sub, piece_example_inputs(sub), []))
+    # the middle blocks are the same region (renamed nodes, same shapes): one key
+    assert keys[1] == keys[2] and None not in keys
+    # other static inputs, or another region, give another key
+    assert region_key(getattr(split, "piece_1"), piece_example_inputs(getattr(split, "piece_1")), [0]) != keys[1]
+    assert keys[0] != keys[1]
+
+
+def test_region_key_none_for_constants_and_symbolic_inputs():
+    from graphcomp.runtime.codegen import region_key
+
+    gm = fake_trace(lambda x: x * 2 + torch.tensor(3.0), torch.randn(4), mode="fake")
+    has_attr = any(n.op == "get_attr" for n in gm.graph.nodes)
+    ex = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    assert (region_key(gm, ex, []) is None) == has_attr
+    sym = fake_trace(lambda x: x.sin(), torch.randn(4), mode="symbolic")
+    ex = [n.meta["val"] for n in sym.graph.nodes if n.op == "placeholder"]
+    assert region_key(sym, ex, []) is None
+
+
+def test_config_region_min_nodes_must_be_positive():
+    with pytest.raises(ValueError, match="region_min_nodes"):
+        Config.from_options({"region_min_nodes": 0})
+    assert Config.from_options({"compile_regions": True}).compile_regions is True
