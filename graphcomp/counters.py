@@ -67,6 +67,10 @@ class Counters(Mapping):
     """Compile regions (or pieces) compiled by Inductor, with compile_regions on."""
     regions_reused: int = 0
     """Compile regions that reused the compiled function of an identical region."""
+    regions_not_reusable: int = 0
+    """Compile regions that no other region may reuse (symbolic shapes, submodules,
+    large constants); with compile_regions on, INFO logs say why each region was
+    compiled again."""
     inductor_memory_reorders: int = 0
     """Graphs (or pieces) with graphcomp's collectives whose node order Inductor's
     reorder_for_peak_memory replaced (Config.inductor_memory_reorder)."""

@@ -21,6 +21,7 @@ for AOTAutograd:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
 from collections.abc import Callable
@@ -112,6 +113,7 @@ def compile_pieces(
     piece_strides: dict[str, list[Any]] = {}
     calls = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
     reuse: dict[str, tuple[Any, list[Any]]] | None = {} if getattr(cfg, "compile_regions", False) else None
+    same_code: dict[str, tuple[str, list[str]]] = {}  # code -> (first region with it, its key parts)
     for piece in plan.pieces:
         name = piece.name
         sub = getattr(split, name)
@@ -124,7 +126,11 @@ def compile_pieces(
             sidx = [i for i, k in enumerate(kinds) if k not in ("copy", "scalar")]
         else:
             sidx = glue_static.get(name, [])
-        key = region_key(sub, ex, sidx) if reuse is not None else None
+        key = None
+        if reuse is not None:
+            parts = region_key_parts(sub, ex, sidx)
+            key = None if parts is None else hashlib.sha256("\n".join(parts).encode()).hexdigest()
+            _note_region(f"{prefix}/{name}", parts, key, reuse, same_code)
         if key is not None and key in reuse:
             compiled, strides = reuse[key]
             SESSION.counters.add("regions_reused")
@@ -248,29 +254,75 @@ def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
     return run
 
 
+def _note_region(name: str, parts: list[str] | None, key: str | None, reuse: dict[str, Any],
+                 same_code: dict[str, tuple[str, list[str]]]) -> None:
+    """Log why a region is compiled again (``compile_regions``): not reusable at all,
+    or the same code as an earlier region with another constant or input layout."""
+    if parts is None:
+        SESSION.counters.add("regions_not_reusable")
+        log.info("graphcomp %s: compile region not reusable (symbolic shapes, a submodule, or a constant that is "
+                 "not a small tensor)", name)
+        return
+    if key in reuse:
+        return
+    first = same_code.setdefault(parts[0], (name, parts))
+    if first[0] != name:
+        diff = next((i for i, (a, b) in enumerate(zip(first[1], parts)) if a != b), None)
+        what = "the number of constants or inputs" if diff is None else f"key part {diff}: {first[1][diff][:200]!r} vs {parts[diff][:200]!r}"
+        log.info("graphcomp %s: same code as compile region %s but compiled again: %s", name, first[0], what)
+
+
+REGION_CONST_NUMEL = 64
+"""Module constants a region may hold and still be reused (``compile_regions``): up
+to this many elements each (the 0-dim host constants ``partition_graph`` folds into a
+CUDA graph's pieces), compared by value."""
+
+
 def region_key(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: list[int]) -> str | None:
     """A key equal for two pieces exactly when one compiled function serves both:
-    the piece's code with every node renamed by position (so two blocks' regions,
-    ``mm_37`` and ``mm_41``, read the same), each input's shape, stride, storage
-    offset, dtype, device and ``requires_grad``, and the static input indices.
-    None (never reused) for a piece with symbolic shapes or module attributes
-    (constants), whose values the code does not show."""
-    import hashlib
+    the piece's code with every node and constant renamed by position (so two
+    blocks' regions, ``mm_37`` and ``mm_41``, read the same), the value, dtype and
+    device of each constant, each input's shape, stride, storage offset, dtype,
+    device and ``requires_grad``, and the static input indices. None (never reused)
+    for a piece with symbolic shapes, submodules, or a constant that is not a
+    tensor of at most ``REGION_CONST_NUMEL`` elements."""
+    parts = region_key_parts(piece, example_inputs, static_idxs)
+    return None if parts is None else hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
+
+def region_key_parts(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: list[int]) -> list[str] | None:
+    """The parts :func:`region_key` hashes: [code, constants..., inputs..., static indices]."""
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    from .. import _compat
 
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    consts: list[str] = []
     for i, n in enumerate(piece.graph.nodes):
-        if n.op in ("get_attr", "call_module"):
+        if n.op == "call_module":
             return None
         if n.op == "output":
             g.output(fx.node.map_arg(n.args[0], env.__getitem__))
             continue
+        target = n.target
+        if n.op == "placeholder":
+            target = f"in{i}"
+        elif n.op == "get_attr":
+            v = graph_utils.attr_value(piece, str(n.target))
+            if not isinstance(v, torch.Tensor) or v.numel() > REGION_CONST_NUMEL:
+                return None
+            try:
+                with _compat.real_tensors():
+                    vals = v.detach().cpu().flatten().tolist()
+            except (RuntimeError, NotImplementedError):  # no data to compare (a meta tensor)
+                return None
+            consts.append(f"C{tuple(v.shape)}{v.dtype}{v.device}{vals}")
+            target = f"const{len(consts) - 1}"
         args = fx.node.map_arg(n.args, env.__getitem__)
         kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
-        env[n] = g.create_node(n.op, n.target if n.op != "placeholder" else f"in{i}", args, kwargs, name=f"v{i}")
-    parts = [g.python_code("self").src]
+        env[n] = g.create_node(n.op, target, args, kwargs, name=f"v{i}")
+    parts = [g.python_code("self").src, *consts]
     for v in example_inputs:
         if isinstance(v, torch.Tensor):
             dims = (*v.shape, *v.stride(), v.storage_offset())
@@ -282,7 +334,7 @@ def region_key(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: li
         else:
             return None
     parts.append(repr(sorted(static_idxs)))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return parts
 
 
 def _compile_one(compile_piece: Any, sub: fx.GraphModule, ex: list[Any], sidx: list[int], report: bool) -> tuple[Any, list[Any]]:

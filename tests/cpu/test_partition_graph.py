@@ -655,16 +655,65 @@ def test_plan_pieces_regions_and_identical_region_keys():
     assert keys[0] != keys[1]
 
 
-def test_region_key_none_for_constants_and_symbolic_inputs():
-    from graphcomp.runtime.codegen import region_key
+def _const_graph(value, numel=1):
+    """x * c with ``c`` a module constant (get_attr), as partition_graph's folded host constants."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    c = g.get_attr("_graphcomp_host_const_0")
+    g.output(g.call_function(aten.mul.Tensor, (x, c)))
+    root = torch.nn.Module()
+    root.register_buffer("_graphcomp_host_const_0", torch.full((numel,) if numel > 1 else (), float(value)))
+    gm = fx.GraphModule(root, g)
+    return gm, [torch.randn(4) if numel == 1 else torch.randn(numel)]
 
-    gm = fake_trace(lambda x: x * 2 + torch.tensor(3.0), torch.randn(4), mode="fake")
-    has_attr = any(n.op == "get_attr" for n in gm.graph.nodes)
-    ex = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    assert (region_key(gm, ex, []) is None) == has_attr
+
+def test_region_key_compares_constants_by_value_and_refuses_symbolic_inputs():
+    from graphcomp.runtime.codegen import REGION_CONST_NUMEL, region_key
+
+    a, ex = _const_graph(3.0)
+    b, _ = _const_graph(3.0)
+    b.register_buffer("_graphcomp_host_const_0", torch.tensor(3.0))
+    c, _ = _const_graph(4.0)
+    assert region_key(a, ex, []) is not None
+    assert region_key(a, ex, []) == region_key(b, ex, [])  # same code, same constant value
+    assert region_key(a, ex, []) != region_key(c, ex, [])  # another value: compiled again
+    big, ex_big = _const_graph(1.0, numel=REGION_CONST_NUMEL + 1)
+    assert region_key(big, ex_big, []) is None  # large constants are not compared
     sym = fake_trace(lambda x: x.sin(), torch.randn(4), mode="symbolic")
     ex = [n.meta["val"] for n in sym.graph.nodes if n.op == "placeholder"]
     assert region_key(sym, ex, []) is None
+
+
+def test_captured_regions_with_folded_host_constants_share_one_key():
+    """On CUDA, partition_graph folds host constants (a CPU ``full([], v)``) into module
+    constants, which the glue graph passes to the pieces; identical blocks still give
+    one region key (their constants are inputs, so one compiled function serves
+    every block)."""
+    from tests.cpu._graphs import trace
+
+    from graphcomp.runtime.codegen import piece_example_inputs, region_key
+
+    def f(x, *shards):
+        for s in shards:
+            w = c10d.wait_tensor(c10d.all_gather_into_tensor(s, 2, "g")).view(8, 8)
+            for _ in range(3):
+                x = torch.relu(x @ w) + torch.full([], 2.0)
+        return x
+
+    gm = trace(f, torch.randn(4, 8), *[torch.randn(32) for _ in range(4)])
+    fulls = {n.name for n in gm.graph.nodes if n.name.startswith("full")}
+    assert len(fulls) == 12
+    gm = cudaify(gm, cpu_nodes=fulls)
+    out, ctx = run_partition(gm, "fwd", codegen="inductor", compile_regions=True, region_min_nodes=4)
+    split = ctx.frame.splits["fwd"]
+    assert [p.mode for p in split.pieces] == ["cudagraph"] * 4
+    keys = []
+    for p in split.pieces:
+        sub = getattr(split.split, p.name)
+        keys.append(region_key(sub, piece_example_inputs(sub), []))
+    assert None not in keys and keys[1] == keys[2] and keys[0] != keys[1]
+    glue_consts = [n for n in split.split.graph.nodes if n.op == "get_attr"]
+    assert len(glue_consts) == 12  # the folded constants, read by the glue graph
 
 
 def test_config_region_min_nodes_must_be_positive():
