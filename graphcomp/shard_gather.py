@@ -40,15 +40,26 @@ def gather_local(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
 def reduce_grad(grad: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...]) -> torch.Tensor:
     """The local shard's gradient from the gradient of the logical parameter:
     cast to ``reduce_dtype``, pad, reduce-scatter (sum) over the group, / W, cast
-    back to the parameter's dtype."""
-    row_shape = tuple(local_shape[1:])
-    g = grad.to(info.reduce_dtype).reshape(info.rows, *row_shape)
-    pad = local_shape[0] * info.world_size - info.rows
+    back to the parameter's dtype (no collective at world size 1)."""
+    return _reduce_full(grad, info.rows, tuple(local_shape[1:]), local_shape[0] * info.world_size,
+                        info.reduce_dtype, info.orig_dtype, info.group_name, info.world_size,
+                        collective=info.world_size > 1)
+
+
+def _reduce_full(grad: torch.Tensor, rows: int, row_shape: tuple[int, ...], padded_rows: int,
+                 reduce_dtype: torch.dtype, orig_dtype: torch.dtype, group_name: str, world_size: int,
+                 collective: bool = True) -> torch.Tensor:
+    """Cast to ``reduce_dtype``, pad to ``padded_rows``, reduce-scatter (sum), / W, cast
+    back: the one reduce of a gather's gradient (eager scopes and the gather op's
+    backward). ``collective=False`` skips the reduce-scatter (world size 1 in eager
+    scopes; traced gathers always issue it, so hand-built graphs count it)."""
+    g = grad.to(reduce_dtype).reshape(rows, *row_shape)
+    pad = padded_rows - rows
     g = F.pad(g, (0, 0) * len(row_shape) + (0, pad)) if pad else g.contiguous()
-    if info.world_size > 1:
-        _debug_agree("reduce_scatter", info.group_name, g)
-        g = _compat.funcol_reduce_scatter_sum(g, info.group_name, info.world_size) / info.world_size
-    return g.to(info.orig_dtype)
+    if collective:
+        _debug_agree("reduce_scatter", group_name, g)
+        g = _compat.funcol_reduce_scatter_sum(g, group_name, world_size) / world_size
+    return g.to(orig_dtype)
 
 
 def _gather_full(local: torch.Tensor, rows: int, shape: Sequence[int], param_dtype: torch.dtype | None,
@@ -69,15 +80,11 @@ def _save_for_reduce(ctx: Any, local: torch.Tensor, rows: int, reduce_dtype: tor
 
 
 def _reduce_to_shard(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """The backward of a gather: cast to reduce_dtype, pad, reduce-scatter (sum), / W,
-    cast back (then ``None`` for the six non-tensor arguments)."""
-    g = grad.to(ctx.reduce_dtype).reshape(ctx.rows, *ctx.row_shape)
-    pad = ctx.padded_rows - ctx.rows
-    g = F.pad(g, (0, 0) * len(ctx.row_shape) + (0, pad)) if pad else g.contiguous()
-    _debug_agree("reduce_scatter", ctx.group_name, g)
-    g = _compat.funcol_reduce_scatter_sum(g, ctx.group_name, ctx.world_size)
-    g = g / ctx.world_size
-    return g.to(ctx.orig_dtype), None, None, None, None, None, None
+    """The backward of a gather (:func:`_reduce_full` with what ``_save_for_reduce``
+    kept), then ``None`` for the six non-tensor arguments."""
+    g = _reduce_full(grad, ctx.rows, ctx.row_shape, ctx.padded_rows, ctx.reduce_dtype, ctx.orig_dtype,
+                     ctx.group_name, ctx.world_size)
+    return g, None, None, None, None, None, None
 
 
 class _GatherParam(torch.autograd.Function):
