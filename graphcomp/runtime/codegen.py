@@ -270,6 +270,16 @@ def _note_region(name: str, parts: list[str] | None, key: str | None, reuse: dic
         diff = next((i for i, (a, b) in enumerate(zip(first[1], parts)) if a != b), None)
         what = "the number of constants or inputs" if diff is None else f"key part {diff}: {first[1][diff][:200]!r} vs {parts[diff][:200]!r}"
         log.info("graphcomp %s: same code as compile region %s but compiled again: %s", name, first[0], what)
+        return
+    # another code: name the first line that differs from an earlier region of as many lines
+    lines = parts[0].splitlines()
+    twin = same_code.setdefault(f"lines:{len(lines)}", (name, parts))
+    if twin[0] != name:
+        other = twin[1][0].splitlines()
+        k = next((i for i, (a, b) in enumerate(zip(other, lines)) if a != b), None)
+        if k is not None:
+            log.info("graphcomp %s: compiled again; its code has as many lines as compile region %s and first "
+                     "differs at line %d: %r vs %r", name, twin[0], k, other[k].strip()[:200], lines[k].strip()[:200])
 
 
 REGION_CONST_NUMEL = 64
