@@ -48,6 +48,14 @@ def _train_sharded(rank, world, cfg):
 
     torch._dynamo.reset()
     graphcomp.reset()
+    if cfg.get("fake_cuda"):  # CPU graphs split and captured as CUDA ones, on the runtime's stand-in device
+        from _fakecuda import fake_cuda_runtime
+
+        with fake_cuda_runtime():
+            try:
+                return _train_sharded(rank, world, {**cfg, "fake_cuda": False})
+            finally:
+                graphcomp.runtime.teardown()
     if cfg.get("zero_copy_cpu"):  # zero_copy_buckets on these CPU graphs too (restored below: pools are reused)
         import sys
 
@@ -187,6 +195,23 @@ def test_compile_regions_2ranks_match_the_reference_and_reuse_compiled_regions(r
         assert c["regions"] >= 10, c
         assert c["regions_reused"] >= 5, c
         assert c["regions_compiled"] + c["regions_reused"] == c["regions"], c
+
+
+def test_compile_regions_captured_on_the_stand_in_device_match_the_reference(ranks2):
+    """``compile_regions`` on the capture path: the CPU graphs split as CUDA ones, each
+    region a captured piece on the runtime's stand-in device (whose replays scribble
+    over memory a real pool could reuse), identical regions sharing one compiled
+    function; the numbers are the unsharded reference's."""
+    ref_losses, ref_params = _reference(3, 1, model="tiny-deep")
+    res = ranks2.run(_train_sharded, {"fuse": True, "bucket": True, "codegen": "inductor", "steps": 3,
+                                      "model": "tiny-deep", "fake_cuda": True,
+                                      "options": {"compile_regions": True, "region_min_nodes": 8, "prefetch_bytes": 2048}})
+    _check(res, ref_losses, ref_params, rtol=1e-4, atol=1e-5)
+    for _, _, c in res:
+        assert c["regions"] >= 10 and c["regions_reused"] >= 5, c
+        assert c["pieces_captured"] == c["regions"], c  # every region is a captured piece
+        assert c.get("cudagraph_fallbacks", 0) == 0 and c.get("capture_failures", 0) == 0, c
+        assert c.get("replays", 0) > 0, c
 
 
 # schedule_prefetch and schedule_free are on by default, so every test above runs
