@@ -12,6 +12,10 @@ Each rank writes ``OUTDIR/<scenario>.rank<R>.json``. Scenarios:
                 (copy_outputs auto / always; and with a fused AdamW, whose step
                 allocates no temporaries), W1 model, Inductor; the CUDA-graph
                 pool's own segments; the capture stream's cuBLAS workspace.
+* ``regions`` : ``compile_regions`` (Inductor, CUDA graphs): the ``tiny-deep`` Llama
+                with a prefetch cap of about one weight (points with nothing in
+                flight between blocks), 10 steps with and without regions; counters
+                and the largest relative loss / parameter difference.
 * ``exit``    : captures graphs with collectives and calls destroy_process_group
                 WITHOUT teardown (the wrapped destroy / atexit must release them);
                 the parent checks the process exits in time.
@@ -206,6 +210,26 @@ def scenario_memory(out):
     return res
 
 
+def scenario_regions(out):
+    base = {"codegen": "inductor", "region_min_nodes": 8, "prefetch_bytes": 2048, "bucket_bytes": 12288}
+    graphcomp.reset()
+    whole = _train("tiny-deep", base, 10, 2, 32, set_to_none=True)
+    graphcomp.reset()
+    reg = _train("tiny-deep", {**base, "compile_regions": True}, 10, 2, 32, set_to_none=True)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+    return {
+        "counters": reg["counters"],
+        "counters_whole": whole["counters"],
+        "losses": reg["losses"],
+        "losses_whole": whole["losses"],
+        "loss_max_rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(reg["losses"], whole["losses"])),
+        "param_max_rel": max(rel(a, b) for a, b in zip(reg["params"], whole["params"])),
+    }
+
+
 def scenario_exit(out):
     graphcomp.reset()
     r = _train("tiny", {"codegen": "eager", "cudagraphs": "auto"}, 3, 2, 32)
@@ -217,11 +241,12 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     rank = dist.get_rank()
-    res = {"train": scenario_train, "memory": scenario_memory, "exit": scenario_exit}[scenario](outdir)
+    res = {"train": scenario_train, "memory": scenario_memory, "regions": scenario_regions,
+           "exit": scenario_exit}[scenario](outdir)
     res["world"] = dist.get_world_size()
     with open(os.path.join(outdir, f"{scenario}.rank{rank}.json"), "w") as f:
         json.dump(res, f, default=str)
-    if scenario in ("train", "memory"):
+    if scenario in ("train", "memory", "regions"):
         graphcomp.runtime.teardown()  # always before destroy_process_group
     dist.destroy_process_group()  # "exit": graphs still alive here; the wrapped destroy releases them
 
