@@ -33,8 +33,7 @@ def gather_local(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     group, then narrow, reshape, cast to ``param_dtype``); not differentiable."""
     if info.world_size > 1:
         return _gather_full(local, info.rows, info.shape, info.param_dtype, info.group_name, info.world_size)
-    out = local.narrow(0, 0, info.rows).reshape(info.shape)
-    return out if info.param_dtype is None else out.to(info.param_dtype)
+    return _to_logical(local, info.rows, info.shape, info.param_dtype)
 
 
 def reduce_grad(grad: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...]) -> torch.Tensor:
@@ -67,6 +66,11 @@ def _gather_full(local: torch.Tensor, rows: int, shape: Sequence[int], param_dty
     """The forward of a gather: all-gather, narrow, reshape, cast."""
     _debug_agree("all_gather", group_name, local)
     full = _compat.funcol_all_gather(local.contiguous(), group_name, world_size)
+    return _to_logical(full, rows, shape, param_dtype)
+
+
+def _to_logical(full: torch.Tensor, rows: int, shape: Sequence[int], param_dtype: torch.dtype | None) -> torch.Tensor:
+    """The logical parameter from its padded rows: narrow, reshape, cast to ``param_dtype``."""
     out = full.narrow(0, 0, rows).reshape(shape)
     return out if param_dtype is None else out.to(param_dtype)
 
@@ -148,8 +152,7 @@ def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     shard in ``info.reduce_dtype`` and averaged over ranks)."""
     local = param.to_local() if isinstance(param, _dtensor_cls()) else param
     if info.world_size == 1:
-        out = local.narrow(0, 0, info.rows).reshape(info.shape)
-        out = out if info.param_dtype is None else out.to(info.param_dtype)
+        out = _to_logical(local, info.rows, info.shape, info.param_dtype)
     else:
         out = gather_shard(
             local, info.rows, list(info.shape), info.param_dtype, info.reduce_dtype, info.group_name, info.world_size

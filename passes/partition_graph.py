@@ -285,8 +285,13 @@ def _wait_of(node: fx.Node) -> list[fx.Node]:
     ]
 
 
+def _is_compute(m: fx.Node) -> bool:
+    """A node that counts toward a piece's size (a ``getitem`` does not)."""
+    return not (m.op == "call_function" and m.target is operator.getitem)
+
+
 def _compute_nodes(ns: Sequence[fx.Node]) -> int:
-    return sum(1 for m in ns if not (m.op == "call_function" and m.target is operator.getitem))
+    return sum(1 for m in ns if _is_compute(m))
 
 
 def region_cuts(nodes: Sequence[fx.Node], min_nodes: int) -> list[int]:
@@ -317,15 +322,15 @@ def region_cuts(nodes: Sequence[fx.Node], min_nodes: int) -> list[int]:
     cuts: list[int] = []
     last, count = 0, [0]
     for m in nodes:
-        count.append(count[-1] + (0 if (m.op == "call_function" and m.target is operator.getitem) else 1))
-    seen: set[int] = set()
+        count.append(count[-1] + _is_compute(m))
+    # waits come in order, so candidates never go back: one taken is `last`, one
+    # rejected stays too small from any later `last`
     for w in waits:
         p = w + 1
         while p < len(nodes) and not free[p]:
             p += 1
-        if p >= len(nodes) or p in seen:
+        if p >= len(nodes):
             continue
-        seen.add(p)
         if p > last and count[p] - count[last] >= min_nodes:
             cuts.append(p)
             last = p
@@ -390,14 +395,13 @@ def plan_pieces(
         else:
             runs.append([mode, [n]])
     # runs too small to pay for capture join their eager neighbours
-    compute_nodes = _compute_nodes
     for r in runs:
-        if r[0] == "cudagraph" and compute_nodes(r[1]) < min_piece_nodes and len(runs) > 1:
+        if r[0] == "cudagraph" and _compute_nodes(r[1]) < min_piece_nodes and len(runs) > 1:
             r[0] = "eager"
             for m in r[1]:
                 reason[m] = SplitReason(
                     m.name, "too_small",
-                    f"capturable run of {compute_nodes(r[1])} node(s) < min_piece_nodes={min_piece_nodes}",
+                    f"capturable run of {_compute_nodes(r[1])} node(s) < min_piece_nodes={min_piece_nodes}",
                 )
     merged: list[list[Any]] = []
     for r in runs:

@@ -129,7 +129,7 @@ def compile_pieces(
         key = None
         if reuse is not None:
             parts = region_key_parts(sub, ex, sidx)
-            key = None if parts is None else hashlib.sha256("\n".join(parts).encode()).hexdigest()
+            key = None if parts is None else _hash_parts(parts)
             _note_region(f"{prefix}/{name}", parts, key, reuse, same_code)
         if key is not None and key in reuse:
             compiled, strides = reuse[key]
@@ -297,7 +297,11 @@ def region_key(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: li
     for a piece with symbolic shapes, submodules, or a constant that is not a
     tensor of at most ``REGION_CONST_NUMEL`` elements."""
     parts = region_key_parts(piece, example_inputs, static_idxs)
-    return None if parts is None else hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return None if parts is None else _hash_parts(parts)
+
+
+def _hash_parts(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def region_key_parts(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: list[int]) -> list[str] | None:
