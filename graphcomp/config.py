@@ -168,7 +168,8 @@ class Config:
     the fusions across region boundaries and one more CUDA graph per region. Regions
     are cut with or without CUDA graphs (without, they are eager pieces, each
     compiled). ``graphcomp.counters``: ``regions``, ``regions_compiled``,
-    ``regions_reused``."""
+    ``regions_reused``, ``regions_not_reusable``; with ``GRAPHCOMP_LOG=INFO`` the
+    codegen says why a region was compiled again."""
 
     region_min_nodes: int = 64
     """``compile_regions``: the fewest compute nodes a region holds before the next
