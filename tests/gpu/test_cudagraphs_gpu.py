@@ -249,6 +249,8 @@ def _torchrun(nproc, scenario, tmp_path, timeout, preset="tiny"):
         os.makedirs(keep, exist_ok=True)
         with open(os.path.join(keep, f"cudagraphs_{scenario}_{nproc}gpu.json"), "w") as f:
             json.dump(results, f, indent=1)
+        with open(os.path.join(keep, f"cudagraphs_{scenario}_{nproc}gpu.log"), "w") as f:
+            f.write(out.stderr)  # the workers' logs (GRAPHCOMP_LOG=INFO lines)
     return results
 
 
