@@ -128,8 +128,12 @@ def compile_pieces(
             sidx = glue_static.get(name, [])
         key = None
         if reuse is not None:
-            parts = region_key_parts(sub, ex, sidx)
-            key = None if parts is None else _hash_parts(parts)
+            parts: list[str] | str
+            try:
+                parts = region_key_parts(sub, ex, sidx)
+                key = _hash_parts(parts)
+            except NotReusable as e:
+                parts = str(e)
             _note_region(f"{prefix}/{name}", parts, key, reuse, same_code)
         if key is not None and key in reuse:
             compiled, strides = reuse[key]
@@ -254,14 +258,14 @@ def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
     return run
 
 
-def _note_region(name: str, parts: list[str] | None, key: str | None, reuse: dict[str, Any],
+def _note_region(name: str, parts: list[str] | str, key: str | None, reuse: dict[str, Any],
                  same_code: dict[str, tuple[str, list[str]]]) -> None:
     """Log why a region is compiled again (``compile_regions``): not reusable at all,
-    or the same code as an earlier region with another constant or input layout."""
-    if parts is None:
+    or the same code as an earlier region with another constant or input layout.
+    ``parts`` is the key's parts, or why the region is not reusable."""
+    if isinstance(parts, str):
         SESSION.counters.add("regions_not_reusable")
-        log.info("graphcomp %s: compile region not reusable (symbolic shapes, a submodule, or a constant that is "
-                 "not a small tensor)", name)
+        log.info("graphcomp %s: compile region not reusable: %s", name, parts)
         return
     if key in reuse:
         return
@@ -296,16 +300,23 @@ def region_key(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: li
     device and ``requires_grad``, and the static input indices. None (never reused)
     for a piece with symbolic shapes, submodules, or a constant that is not a
     tensor of at most ``REGION_CONST_NUMEL`` elements."""
-    parts = region_key_parts(piece, example_inputs, static_idxs)
-    return None if parts is None else _hash_parts(parts)
+    try:
+        return _hash_parts(region_key_parts(piece, example_inputs, static_idxs))
+    except NotReusable:
+        return None
 
 
 def _hash_parts(parts: list[str]) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def region_key_parts(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: list[int]) -> list[str] | None:
-    """The parts :func:`region_key` hashes: [code, constants..., inputs..., static indices]."""
+class NotReusable(Exception):
+    """A region no other region may share (``compile_regions``); the message says why."""
+
+
+def region_key_parts(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: list[int]) -> list[str]:
+    """The parts :func:`region_key` hashes: [code, constants..., inputs..., static
+    indices]. Raises :class:`NotReusable` naming the node or input that rules reuse out."""
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
     from .. import _compat
@@ -315,7 +326,7 @@ def region_key_parts(piece: fx.GraphModule, example_inputs: list[Any], static_id
     consts: list[str] = []
     for i, n in enumerate(piece.graph.nodes):
         if n.op == "call_module":
-            return None
+            raise NotReusable(f"it calls submodule {n.target!r}")
         if n.op == "output":
             g.output(fx.node.map_arg(n.args[0], env.__getitem__))
             continue
@@ -324,29 +335,33 @@ def region_key_parts(piece: fx.GraphModule, example_inputs: list[Any], static_id
             target = f"in{i}"
         elif n.op == "get_attr":
             v = graph_utils.attr_value(piece, str(n.target))
-            if not isinstance(v, torch.Tensor) or v.numel() > REGION_CONST_NUMEL:
-                return None
+            if not isinstance(v, torch.Tensor):
+                raise NotReusable(f"constant {n.target!r} is a {type(v).__name__}, not a tensor")
+            if v.numel() > REGION_CONST_NUMEL:
+                raise NotReusable(f"constant {n.target!r} has {v.numel()} elements (at most {REGION_CONST_NUMEL} "
+                                  "are compared by value)")
             try:
                 with _compat.real_tensors():
                     vals = v.detach().cpu().flatten().tolist()
-            except (RuntimeError, NotImplementedError):  # no data to compare (a meta tensor)
-                return None
+            except (RuntimeError, NotImplementedError) as e:  # no data to compare (a meta tensor)
+                raise NotReusable(f"constant {n.target!r} has no value to compare ({type(e).__name__}: "
+                                  f"{str(e)[:120]})") from None
             consts.append(f"C{tuple(v.shape)}{v.dtype}{v.device}{vals}")
             target = f"const{len(consts) - 1}"
         args = fx.node.map_arg(n.args, env.__getitem__)
         kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
         env[n] = g.create_node(n.op, target, args, kwargs, name=f"v{i}")
     parts = [g.python_code("self").src, *consts]
-    for v in example_inputs:
+    for j, v in enumerate(example_inputs):
         if isinstance(v, torch.Tensor):
             dims = (*v.shape, *v.stride(), v.storage_offset())
             if not all(is_concrete_int(d) for d in dims):
-                return None
+                raise NotReusable(f"input {j} has symbolic shape, stride or offset {tuple(v.shape)}")
             parts.append(f"T{[int(d) for d in dims]}{v.dtype}{v.device}{v.requires_grad}")
         elif isinstance(v, (int, float, bool, type(None))):
             parts.append(repr(v))
         else:
-            return None
+            raise NotReusable(f"input {j} is a {type(v).__name__}")
     parts.append(repr(sorted(static_idxs)))
     return parts
 
