@@ -297,7 +297,8 @@ def region_key(piece: fx.GraphModule, example_inputs: list[Any], static_idxs: li
     the piece's code with every node and constant renamed by position (so two
     blocks' regions, ``mm_37`` and ``mm_41``, read the same), the value, dtype and
     device of each constant, each input's shape, stride, storage offset, dtype,
-    device and ``requires_grad``, and the static input indices. None (never reused)
+    device and ``requires_grad`` (a ``torch.Generator`` input by its device only), and
+    the static input indices. None (never reused)
     for a piece with symbolic shapes, submodules, or a constant that is not a
     tensor of at most ``REGION_CONST_NUMEL`` elements."""
     try:
@@ -360,6 +361,10 @@ def region_key_parts(piece: fx.GraphModule, example_inputs: list[Any], static_id
             parts.append(f"T{[int(d) for d in dims]}{v.dtype}{v.device}{v.requires_grad}")
         elif isinstance(v, (int, float, bool, type(None))):
             parts.append(repr(v))
+        elif isinstance(v, torch.Generator):
+            # an RNG state passed in at run time (AOTAutograd's graph-safe RNG inputs,
+            # one per checkpointed attention on CUDA): any generator of the device serves
+            parts.append(f"G{v.device}")
         else:
             raise NotReusable(f"input {j} is a {type(v).__name__}")
     parts.append(repr(sorted(static_idxs)))

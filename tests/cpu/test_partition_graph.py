@@ -684,6 +684,25 @@ def test_region_key_compares_constants_by_value_and_refuses_symbolic_inputs():
     assert region_key(sym, ex, []) is None
 
 
+def test_region_key_takes_generator_inputs_by_device():
+    """On CUDA, AOTAutograd passes each checkpointed attention's RNG state in as a
+    ``torch.Generator`` (``fwd_rng_state_<i>``, one per block): the twin blocks'
+    regions take different generators and still share one key (W3 on 2 H200s, 41bfeff:
+    every region "not reusable: input 15 is a Generator" before this)."""
+    from graphcomp.runtime.codegen import NotReusable, region_key, region_key_parts
+
+    g = fx.Graph()
+    x, gen = g.placeholder("x"), g.placeholder("fwd_rng_state_0")
+    g.output(g.call_function(aten.bernoulli.default, (x,), {"generator": gen}))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    x0 = torch.rand(4)
+    k1 = region_key(gm, [x0, torch.Generator().manual_seed(1)], [])
+    k2 = region_key(gm, [x0, torch.Generator().manual_seed(2)], [])
+    assert k1 is not None and k1 == k2
+    with pytest.raises(NotReusable, match="input 1 is a str"):
+        region_key_parts(gm, [x0, "not an input kind"], [])
+
+
 def test_captured_regions_with_folded_host_constants_share_one_key():
     """On CUDA, partition_graph folds host constants (a CPU ``full([], v)``) into module
     constants, which the glue graph passes to the pieces; identical blocks still give
