@@ -115,6 +115,44 @@ class PoolLedger:
         self.entries = []
 
 
+def describe_holders(cap: Any, idxs: Sequence[int], limit: int = 3) -> str:
+    """Who holds the storages of ``cap``'s outputs ``idxs`` (the INFO log of a hazard:
+    why a replay found them "still referenced"). Walks the Python heap once: the
+    tensors on each storage and what refers to them (a parameter's ``.grad``, a list,
+    a dict, a frame); a storage no Python tensor shares is held from C++ (the
+    autograd graph, a collective's work registry)."""
+    import gc
+
+    want: dict[int, list[int]] = {}
+    for h, base, tidxs in cap.tracked:
+        hit = [i for i in tidxs if i in idxs]
+        if hit:
+            want.setdefault(h, hit)
+    if not want:
+        return "no tracked storage"
+    found: dict[int, list[str]] = {h: [] for h in want}
+    owned = {id(o) for o in cap.outputs if isinstance(o, torch.Tensor)}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor) or id(obj) in owned:  # (type(): no __class__ lookups)
+            continue
+        try:
+            h = _storage_id(obj)
+        except (RuntimeError, NotImplementedError):
+            continue
+        if h in found and len(found[h]) < limit:
+            kinds = sorted({type(r).__name__ for r in gc.get_referrers(obj)} - {"list"} or {"list"})
+            found[h].append(f"tensor {tuple(obj.shape)} {obj.dtype} referred to by {kinds}")
+        g = obj.grad if isinstance(obj, torch.nn.Parameter) else None
+        if isinstance(g, torch.Tensor) and _storage_id(g) in found and len(found[_storage_id(g)]) < limit:
+            found[_storage_id(g)].append(f".grad of a parameter {tuple(obj.shape)}")
+    parts = []
+    for (h, base, tidxs) in cap.tracked:
+        if h in want:
+            held = "; ".join(found[h]) or "no Python tensor: held from C++ (autograd graph, a collective's work)"
+            parts.append(f"outputs {want[h]}: {_compat.storage_refs(h)} refs vs {base} at capture; {held}")
+    return " | ".join(parts[:limit])
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 

@@ -72,7 +72,7 @@ from ..errors import CudaGraphsRequired, StaticAddressError, failing_source as _
 from ..plan import PieceStats
 from ..session import SESSION
 from .manager import RUNTIME
-from .pool import Capture, _storage_id, _storage_ptr
+from .pool import Capture, _storage_id, _storage_ptr, describe_holders
 from .static import memory_of, static_buffer
 
 log = logging.getLogger(__name__)
@@ -459,7 +459,8 @@ class CudaGraphRunner:
                 r.copy_now.update(new)
                 log.info("graphcomp: piece %s: output(s) %s handed out of the CUDA-graph pool are still referenced "
                          "when %s replays (gradient accumulation, a kept loss); copying them out of the pool from "
-                         "now on", r.name, new, self.name)
+                         "now on%s", r.name, new, self.name,
+                         f" ({describe_holders(c, new)})" if log.isEnabledFor(logging.INFO) else "")
         return "recapture"
 
     # ------------------------------------------------------------- call

@@ -360,6 +360,24 @@ def test_auto_hands_visible_outputs_out_uncopied_until_one_is_kept():
     assert c["cudagraph_output_copy_bytes"] == 2 * 4
 
 
+def test_hazard_log_names_who_holds_the_output(caplog):
+    """The INFO line of a hazard says who keeps the output alive: the Python tensors
+    on its storage and what refers to them (here a user's dict holds a view)."""
+    import logging
+
+    w = torch.randn(3, 3)
+    r, _ = make_runner(lambda w, x: ((x @ w).sum(0),), ["param", "copy"], clone_outputs={0}, copy_outputs="auto")
+    r(w, torch.randn(2, 3))
+    (kept,) = r(w, torch.randn(2, 3))
+    user = {"view": kept[:2]}
+    del kept
+    with caplog.at_level(logging.INFO, logger="graphcomp.runtime.runner"):
+        r(w, torch.randn(2, 3))
+    line = next(m for m in caplog.messages if "still referenced when" in m)
+    assert "outputs [0]:" in line and "tensor (2,) torch.float32 referred to by ['dict']" in line, line
+    assert user["view"].shape == (2,)
+
+
 def test_replay_never_overwrites_live_outputs_of_a_piece_captured_later():
     """A forward piece captured first, a backward piece captured after it (its
     gradients may sit in the forward's scratch space). Gradients kept past the next
