@@ -164,8 +164,10 @@ class Config:
     ``region_min_nodes`` compute nodes (in a sharded transformer: one region per
     block), and compile each distinct region once: regions whose graphs and input
     shapes, strides and dtypes are the same reuse one compiled function. Cuts cold
-    compile time of deep models (Inductor's time grows with the graph's size); costs
-    the fusions across region boundaries and one more CUDA graph per region. Regions
+    compile time of deep models (Inductor's time grows with the graph's size; W3 on
+    2 H200s: 83.3 s against 115.8 s); costs the fusions across region boundaries and
+    one more CUDA graph per region (W3: steps 2.7% slower, and the host no longer runs
+    ahead of the GPU: ``cudaGraphLaunch`` blocks with ~10 graphs queued). Regions
     are cut with or without CUDA graphs (without, they are eager pieces, each
     compiled). ``graphcomp.counters``: ``regions``, ``regions_compiled``,
     ``regions_reused``, ``regions_not_reusable``; with ``GRAPHCOMP_LOG=INFO`` the
