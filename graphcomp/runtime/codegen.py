@@ -126,24 +126,13 @@ def compile_pieces(
             sidx = [i for i, k in enumerate(kinds) if k not in ("copy", "scalar")]
         else:
             sidx = glue_static.get(name, [])
-        key = None
-        if reuse is not None:
-            parts: list[str] | str
-            try:
-                parts = region_key_parts(sub, ex, sidx)
-                key = _hash_parts(parts)
-            except NotReusable as e:
-                parts = str(e)
-            _note_region(f"{prefix}/{name}", parts, key, reuse, same_code)
-        if key is not None and key in reuse:
-            compiled, strides = reuse[key]
-            SESSION.counters.add("regions_reused")
+        regions = _region_assign(sub) if reuse is not None else {}
+        if regions:
+            compiled, strides = _compile_composed(f"{prefix}/{name}", sub, sidx, regions, compile_piece,
+                                                  report_strides, reuse, same_code)
         else:
-            compiled, strides = _compile_one(compile_piece, sub, ex, sidx, report_strides)
-            if reuse is not None:
-                SESSION.counters.add("regions_compiled")
-                if key is not None:
-                    reuse[key] = (compiled, strides)
+            compiled, strides = _compile_reusing(f"{prefix}/{name}", sub, ex, sidx, compile_piece, report_strides,
+                                                 reuse, same_code)
         piece_strides[name] = strides
         node = calls.get(name)
         names = [a.name if isinstance(a, fx.Node) else repr(a) for a in (node.args if node is not None else ())]
@@ -172,6 +161,78 @@ def compile_pieces(
     if report_strides:
         _report_output_strides(split, piece_strides)
     return run_glue(split)
+
+
+def _compile_reusing(name: str, sub: fx.GraphModule, ex: list[Any], sidx: list[int], compile_piece: Any,
+                     report: bool, reuse: dict[str, tuple[Any, list[Any]]] | None,
+                     same_code: dict[str, tuple[str, list[str]]]) -> tuple[Any, list[Any]]:
+    """Compile ``sub`` (a piece, or a region of one), or with ``compile_regions``
+    (``reuse`` not None) take the function compiled for an identical region."""
+    key = None
+    if reuse is not None:
+        parts: list[str] | str
+        try:
+            parts = region_key_parts(sub, ex, sidx)
+            key = _hash_parts(parts)
+        except NotReusable as e:
+            parts = str(e)
+        _note_region(name, parts, key, reuse, same_code)
+        if key is not None and key in reuse:
+            SESSION.counters.add("regions_reused")
+            return reuse[key]
+    compiled, strides = _compile_one(compile_piece, sub, ex, sidx, report)
+    if reuse is not None:
+        SESSION.counters.add("regions_compiled")
+        if key is not None:
+            reuse[key] = (compiled, strides)
+    return compiled, strides
+
+
+def _region_assign(sub: fx.GraphModule) -> dict[fx.Node, int]:
+    """node -> region index, for a piece ``partition_graph`` divided into more than one
+    compile region (``REGION_META``); empty otherwise."""
+    from ..passes.partition_graph import REGION_META
+
+    assign = {n: n.meta[REGION_META] for n in sub.graph.nodes
+              if n.op not in ("placeholder", "output") and REGION_META in n.meta}
+    return assign if len(set(assign.values())) > 1 else {}
+
+
+class _RegionCall:
+    """A compiled region inside a composed piece: ``call(list) -> tuple``."""
+
+    def __init__(self, fn: Callable[[list[Any]], Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        return self.call(list(args))
+
+    def call(self, args: list[Any]) -> tuple[Any, ...]:
+        return tuple(self.fn(args))
+
+
+def _compile_composed(name: str, sub: fx.GraphModule, sidx: list[int], assign: dict[fx.Node, int],
+                      compile_piece: Any, report: bool, reuse: dict[str, tuple[Any, list[Any]]],
+                      same_code: dict[str, tuple[str, list[str]]]) -> tuple[Callable[[list[Any]], Any], list[Any]]:
+    """A piece compiled region by region (``compile_regions`` on a captured piece):
+    ``sub`` split at its regions, each region compiled (or reused), and a boxed
+    callable running them in order through their own glue, which the piece's runner
+    captures as one CUDA graph. Returns it and the piece's output strides."""
+    from ..passes.partition_graph import split_graph
+
+    inner = split_graph(sub, assign)
+    static = _glue_static_idxs(inner, sidx)
+    strides: dict[str, list[Any]] = {}
+    for rname, region in list(inner.named_children()):
+        if not isinstance(region, fx.GraphModule):
+            continue
+        single = normalize_output(region)
+        rex = piece_example_inputs(region)
+        fn, strides[rname] = _compile_reusing(f"{name}/region_{rname.split('_')[-1]}", region, rex,
+                                              static.get(rname, []), compile_piece, report, reuse, same_code)
+        setattr(inner, rname, _PieceModule(_RegionCall(fn), single))
+    inner.recompile()
+    return run_glue(inner), (_output_strides(inner, strides) if report else [])
 
 
 def run_glue(split: fx.GraphModule) -> Callable[[list[Any]], Any]:
@@ -388,6 +449,12 @@ def _report_output_strides(split: fx.GraphModule, piece_strides: dict[str, list[
     outer = TracingContext.try_get()
     if outer is None or getattr(outer, "output_strides", None) is None:
         return
+    outer.output_strides.extend(_output_strides(split, piece_strides))
+
+
+def _output_strides(split: fx.GraphModule, piece_strides: dict[str, list[Any]]) -> list[Any]:
+    """The strides of ``split``'s outputs: a piece's compiled strides where an output
+    is a piece's (or its getitem), else the fake value's."""
     out = next(n for n in split.graph.nodes if n.op == "output")
     rets = out.args[0]
     rets = list(rets) if isinstance(rets, (list, tuple)) else [rets]
@@ -409,4 +476,4 @@ def _report_output_strides(split: fx.GraphModule, piece_strides: dict[str, list[
                 if isinstance(v, torch.Tensor):
                     s = tuple(v.stride())
         res.append(s)
-    outer.output_strides.extend(res)
+    return res

@@ -710,7 +710,7 @@ def test_captured_regions_with_folded_host_constants_share_one_key():
     every block)."""
     from tests.cpu._graphs import trace
 
-    from graphcomp.runtime.codegen import piece_example_inputs, region_key
+    from graphcomp.runtime.codegen import _region_assign, piece_example_inputs, region_key
 
     def f(x, *shards):
         for s in shards:
@@ -725,14 +725,19 @@ def test_captured_regions_with_folded_host_constants_share_one_key():
     gm = cudaify(gm, cpu_nodes=fulls)
     out, ctx = run_partition(gm, "fwd", codegen="inductor", compile_regions=True, region_min_nodes=4)
     split = ctx.frame.splits["fwd"]
-    assert [p.mode for p in split.pieces] == ["cudagraph"] * 4
-    keys = []
-    for p in split.pieces:
-        sub = getattr(split.split, p.name)
-        keys.append(region_key(sub, piece_example_inputs(sub), []))
-    assert None not in keys and keys[1] == keys[2] and keys[0] != keys[1]
+    # captured: one piece (one CUDA graph), divided into 4 compile regions
+    assert [p.mode for p in split.pieces] == ["cudagraph"]
+    assert ctx.record.counts["regions"] == 4 and ctx.record.counts["pieces"] == 1
     glue_consts = [n for n in split.split.graph.nodes if n.op == "get_attr"]
     assert len(glue_consts) == 12  # the folded constants, read by the glue graph
+    piece = getattr(split.split, split.pieces[0].name)
+    assign = _region_assign(piece)
+    assert sorted(set(assign.values())) == [0, 1, 2, 3]
+    inner = pg.split_graph(piece, assign)
+    keys = []
+    for name, region in inner.named_children():
+        keys.append(region_key(region, piece_example_inputs(region), []))
+    assert len(keys) == 4 and None not in keys and keys[1] == keys[2] and keys[0] != keys[1]
 
 
 def test_config_region_min_nodes_must_be_positive():

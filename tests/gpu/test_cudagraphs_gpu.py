@@ -284,8 +284,9 @@ def test_sharded_training_bitwise_and_safety(nproc, tmp_path):
 def test_compile_regions_reuse_regions_and_match_whole_graphs(nproc, tmp_path):
     """``compile_regions`` on NCCL with CUDA graphs: the tiny-deep Llama with every
     block checkpointed (as W3: on CUDA each block's attention then takes its RNG state
-    as a ``torch.Generator`` input), its graphs cut into regions, each a captured
-    piece, identical ones compiled once, none refused; the losses and
+    as a ``torch.Generator`` input), its graphs divided into regions compiled apart
+    (identical ones once, none refused) and captured whole, one CUDA graph per piece
+    as without regions; the losses and
     parameters of 10 AdamW steps within 1e-4 of the whole-graph compile (Inductor
     fuses across region boundaries in one and not the other). W3 on 2 H200s reused
     no region at 39f7340: this is the small case of that."""
@@ -298,7 +299,9 @@ def test_compile_regions_reuse_regions_and_match_whole_graphs(nproc, tmp_path):
             "regions cut": c.get("regions", 0) >= 10,
             "identical regions reused": c.get("regions_reused", 0) >= 5,
             "every region reusable (RNG-state inputs included)": c.get("regions_not_reusable", 0) == 0,
-            "every region captured": c.get("pieces_captured", 0) == c.get("regions", -1),
+            # regions are compiled apart and captured inside their piece: as many CUDA
+            # graphs as the whole-graph compile (one per region until 2026-11-27)
+            "captured as the whole graphs": c.get("pieces_captured", 0) == r["counters_whole"].get("pieces_captured", -1),
             "no fallback or capture failure": c.get("cudagraph_fallbacks", 0) == 0 and c.get("capture_failures", 0) == 0,
             "losses within 1e-4 of whole graphs": r["loss_max_rel"] <= 1e-4,
             "parameters within 1e-4 of whole graphs": r["param_max_rel"] <= 1e-4,
