@@ -165,13 +165,13 @@ class Config:
     block), and compile each distinct region once: regions whose graphs and input
     shapes, strides and dtypes are the same reuse one compiled function. Cuts cold
     compile time of deep models (Inductor's time grows with the graph's size; W3 on
-    2 H200s: 83.3 s against 115.8 s); costs the fusions across region boundaries and
-    one more CUDA graph per region (W3: steps 2.7% slower, and the host no longer runs
-    ahead of the GPU: ``cudaGraphLaunch`` blocks with ~10 graphs queued). Regions
-    are cut with or without CUDA graphs (without, they are eager pieces, each
-    compiled). ``graphcomp.counters``: ``regions``, ``regions_compiled``,
-    ``regions_reused``, ``regions_not_reusable``; with ``GRAPHCOMP_LOG=INFO`` the
-    codegen says why a region was compiled again."""
+    2 H200s: 83.3 s against 115.8 s); costs the fusions across region boundaries (W3:
+    steps 2.7% slower, measured with one CUDA graph per region). With CUDA graphs the
+    regions are compiled apart and run in order inside their piece, which is captured
+    whole (one graph per region made ``cudaGraphLaunch`` block the host); without
+    them they are eager pieces, each compiled. ``graphcomp.counters``: ``regions``,
+    ``regions_compiled``, ``regions_reused``, ``regions_not_reusable``; with
+    ``GRAPHCOMP_LOG=INFO`` the codegen says why a region was compiled again."""
 
     region_min_nodes: int = 64
     """``compile_regions``: the fewest compute nodes a region holds before the next
