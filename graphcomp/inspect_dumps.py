@@ -16,6 +16,13 @@ from . import memory
 from .dump import load_runtime, load_summaries
 
 
+def nodes_text(p: dict) -> str:
+    """A piece row's node count, with its compile regions (``compile_regions``) when
+    there are several: ``"4213 in 33 regions"``."""
+    n = str(p.get("nodes", ""))
+    return f"{n} in {p['regions']} regions" if p.get("regions", 1) > 1 else n
+
+
 def _fmt_bytes(b: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(b) < 1024 or unit == "GiB":
@@ -161,7 +168,7 @@ def format_frame(frame: dict[str, Any]) -> str:
     if parts:
         out.append("")
         prow = [
-            [s, str(p.get("piece")), p.get("mode", ""), str(p.get("nodes", "")),
+            [s, str(p.get("piece")), p.get("mode", ""), nodes_text(p),
              str(p.get("captures", "-")), _fmt_bytes(p["pool_bytes"]) if "pool_bytes" in p else "-",
              capture_seconds_text(p), _short(p.get("reason"), 60)]
             for s, p in parts

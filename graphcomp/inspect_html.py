@@ -21,7 +21,7 @@ from typing import Any
 
 from .dump import load_runtime, load_summaries
 from .inspect_dumps import (REMAT_HEADER, RUNTIME_HEADER, _fmt_bytes, capture_seconds_text, inductor_order_text,
-                            memory_lines, remat_rows, runtime_rows)
+                            memory_lines, nodes_text, remat_rows, runtime_rows)
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1b1b;max-width:1200px}
@@ -132,7 +132,7 @@ def _pieces_table(frame: dict[str, Any]) -> str:
     rows = []
     for stage, st in frame.get("stages", {}).items():
         for p in st.get("partitions", []):
-            rows.append([stage, p.get("piece"), p.get("mode", ""), p.get("nodes", ""), p.get("captures", "-"),
+            rows.append([stage, p.get("piece"), p.get("mode", ""), nodes_text(p), p.get("captures", "-"),
                          _fmt_bytes(p["pool_bytes"]) if "pool_bytes" in p else "-",
                          p.get("static_inputs", "-"), p.get("copy_inputs", "-"), capture_seconds_text(p),
                          p.get("reason") or ""])

@@ -81,6 +81,9 @@ class Piece:
     input_kinds: list[str] | None = None
     clone_outputs: frozenset[int] = frozenset()
     stats: PieceStats = field(default_factory=PieceStats)
+    # compile regions inside the piece (Config.compile_regions on a captured graph:
+    # compiled apart, run in order, captured as one graph); 1 otherwise
+    regions: int = 1
 
     @property
     def name(self) -> str:
@@ -93,6 +96,8 @@ class Piece:
     def row(self) -> dict[str, Any]:
         """The JSON row of ``summary.json`` / ``graphcomp inspect``."""
         r: dict[str, Any] = {"piece": self.index, "mode": self.mode, "nodes": self.nodes, "reason": self.reason}
+        if self.regions > 1:
+            r["regions"] = self.regions
         if self.input_kinds is not None:
             r["static_inputs"] = sum(1 for k in self.input_kinds if k not in ("copy", "scalar"))
             r["copy_inputs"] = self.input_kinds.count("copy")

@@ -546,7 +546,8 @@ def _split(gm: fx.GraphModule, ctx: PassContext, regions: int | None, capture: b
     if not capture and len(rows) < 2:
         return ctx.unchanged(gm, "nothing captured and one compile region: no split")
     split = split_graph(gm, assign)
-    pieces = [Piece(index=r["piece"], mode=r["mode"], nodes=r["nodes"], reason=r["reason"]) for r in rows]
+    pieces = [Piece(index=r["piece"], mode=r["mode"], nodes=r["nodes"], reason=r["reason"], regions=r["regions"])
+              for r in rows]
     ctx.frame.splits[ctx.stage] = SplitPlan(ctx.stage, split, gm, pieces, reasons)
     for p in pieces:
         if not p.captured and capture:

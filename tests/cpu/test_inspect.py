@@ -310,3 +310,15 @@ def test_measured_peak_against_the_largest_estimate(tmp_path, monkeypatch):
     # a runtime record without memory (CPU): no such lines
     (root / "rank0" / "runtime.json").write_text(json.dumps({"owners": [], "counters": {}}))
     assert "measured peak" not in inspect_dir(root)
+
+
+def test_piece_rows_name_their_compile_regions():
+    """A captured piece divided into compile regions (``compile_regions``) says how
+    many in the inspect tables; other pieces show their node count alone."""
+    from graphcomp.inspect_dumps import nodes_text
+    from graphcomp.plan import Piece
+
+    row = Piece(index=0, mode="cudagraph", nodes=4213, regions=33).row()
+    assert row["regions"] == 33 and nodes_text(row) == "4213 in 33 regions"
+    plain = Piece(index=1, mode="eager", nodes=12).row()
+    assert "regions" not in plain and nodes_text(plain) == "12"

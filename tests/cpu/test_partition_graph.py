@@ -727,6 +727,7 @@ def test_captured_regions_with_folded_host_constants_share_one_key():
     split = ctx.frame.splits["fwd"]
     # captured: one piece (one CUDA graph), divided into 4 compile regions
     assert [p.mode for p in split.pieces] == ["cudagraph"]
+    assert split.pieces[0].regions == 4 and split.pieces[0].row()["regions"] == 4
     assert ctx.record.counts["regions"] == 4 and ctx.record.counts["pieces"] == 1
     glue_consts = [n for n in split.split.graph.nodes if n.op == "get_attr"]
     assert len(glue_consts) == 12  # the folded constants, read by the glue graph
