@@ -11,6 +11,10 @@ for AOTAutograd:
 * example inputs come from the pieces' placeholder ``meta['val']`` fakes;
 * ``compile_piece(piece_gm, example_inputs, static_idxs)`` compiles it (Inductor
   with ``cudagraphs=BoxedBool(False)``, or the FX graph as is);
+* with ``Config.compile_regions``, a piece ``partition_graph`` divided into regions
+  (``node.meta[REGION_META]``) is split at them and each region compiled apart
+  (identical regions once: :func:`region_key`); the piece's callable runs them through
+  their own glue, and the piece is captured as one graph (:func:`_compile_composed`);
 * ``cudagraph`` pieces are wrapped in :class:`CudaGraphRunner`, ``eager`` pieces in
   :class:`EagerPiece`; :func:`run_glue` runs the glue graph in the original order,
   boxed: each piece gets a list it consumes, and the glue drops every value at its
