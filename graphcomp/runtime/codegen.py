@@ -197,8 +197,10 @@ def _region_assign(sub: fx.GraphModule) -> dict[fx.Node, int]:
     compile region (``REGION_META``); empty otherwise."""
     from ..passes.partition_graph import REGION_META
 
-    assign = {n: n.meta[REGION_META] for n in sub.graph.nodes
-              if n.op not in ("placeholder", "output") and REGION_META in n.meta}
+    body = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
+    if any(REGION_META not in n.meta for n in body):
+        return {}  # a node partition_graph did not tag (none expected): compile the piece whole
+    assign = {n: n.meta[REGION_META] for n in body}
     return assign if len(set(assign.values())) > 1 else {}
 
 

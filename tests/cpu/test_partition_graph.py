@@ -745,3 +745,21 @@ def test_config_region_min_nodes_must_be_positive():
     with pytest.raises(ValueError, match="region_min_nodes"):
         Config.from_options({"region_min_nodes": 0})
     assert Config.from_options({"compile_regions": True}).compile_regions is True
+
+
+def test_region_assign_needs_every_node_tagged_and_two_regions():
+    """The codegen composes a piece from regions only when partition_graph tagged
+    every node and found at least two regions; otherwise the piece compiles whole."""
+    from graphcomp.runtime.codegen import _region_assign
+
+    gm = fx.symbolic_trace(lambda x: (x.sin() * 2).cos())
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    assert _region_assign(gm) == {}
+    for i, n in enumerate(body):
+        n.meta[pg.REGION_META] = 0 if i < 2 else 1
+    assert sorted(_region_assign(gm).values()) == [0, 0, 1]
+    del body[1].meta[pg.REGION_META]
+    assert _region_assign(gm) == {}
+    for n in body:
+        n.meta[pg.REGION_META] = 0
+    assert _region_assign(gm) == {}  # one region: nothing to compose
