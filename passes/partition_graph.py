@@ -419,25 +419,23 @@ def plan_pieces(
             merged[-1][1].extend(r[1])
         else:
             merged.append([r[0], list(r[1])])
-    n_regions: list[int] = [1] * len(merged)
-    for ns in (ns for _, ns in merged):
+    for _, ns in merged:
         for m in ns:
             m.meta.pop(REGION_META, None)
+    spans = [[(0, len(ns))] for _, ns in merged]  # per piece: its regions' (start, end)
     if region_min_nodes is not None:
-        regions: list[list[Any]] = []
-        for k, (mode, ns) in enumerate(merged):
+        for k, (_, ns) in enumerate(merged):
             bounds = [0, *region_cuts(ns, region_min_nodes), len(ns)]
-            if capture:  # a unit of compilation inside the piece, which is captured whole
-                n_regions[k] = len(bounds) - 1
-                for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            spans[k] = list(zip(bounds, bounds[1:]))
+    if not capture:  # every region an eager piece
+        merged = [["eager", ns[a:b]] for (_, ns), sp in zip(merged, spans) for a, b in sp]
+        spans = [[(0, len(ns))] for _, ns in merged]
+    else:  # a unit of compilation inside the piece, which is captured whole
+        for (_, ns), sp in zip(merged, spans):
+            if len(sp) > 1:
+                for j, (a, b) in enumerate(sp):
                     for m in ns[a:b]:
                         m.meta[REGION_META] = j
-            else:
-                regions += [["eager", ns[a:b]] for a, b in zip(bounds, bounds[1:])]
-        if not capture:
-            merged, n_regions = regions, [1] * len(regions)
-    if not capture:
-        merged = [["eager", ns] for _, ns in merged]
     assign: dict[fx.Node, int] = {}
     rows: list[dict[str, Any]] = []
     for i, (mode, ns) in enumerate(merged):
@@ -450,11 +448,9 @@ def plan_pieces(
             why = f"{','.join(kinds)}: {first.node}: {first.detail}" if first else ""
             if not capture:
                 why = "not captured (no CUDA tensors, or cudagraphs off): a compile region"
-            elif not rs:
-                why = "a compile region of an eager run"
         else:
             why = ""
-        rows.append({"piece": i, "mode": mode, "nodes": len(ns), "reason": why, "regions": n_regions[i]})
+        rows.append({"piece": i, "mode": mode, "nodes": len(ns), "reason": why, "regions": len(spans[i])})
     return assign, rows, sorted(reason.values(), key=lambda r: pos.get(_find(gm, r.node), 0))
 
 
