@@ -165,9 +165,9 @@ class Config:
     block), and compile each distinct region once: regions whose graphs and input
     shapes, strides and dtypes are the same reuse one compiled function. Cuts cold
     compile time of deep models (Inductor's time grows with the graph's size; W3 on
-    2 H200s: 83.3 s against 115.8 s); costs the fusions across region boundaries (W3:
-    steps 2.7% slower, measured with one CUDA graph per region). With CUDA graphs the
-    regions are compiled apart and run in order inside their piece, which is captured
+    2 H200s: 0.72-0.73 of the default's cold first step, 92.8 s against 127.7 s at
+    3080d57); costs the fusions across region boundaries (W3: steps 2.2% slower). With
+    CUDA graphs the regions are compiled apart and run in order inside their piece, which is captured
     whole (one graph per region made ``cudaGraphLaunch`` block the host); without
     them they are eager pieces, each compiled. ``graphcomp.counters``: ``regions``,
     ``regions_compiled``, ``regions_reused``, ``regions_not_reusable``; with

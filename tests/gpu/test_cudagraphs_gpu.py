@@ -286,9 +286,11 @@ def test_compile_regions_reuse_regions_and_match_whole_graphs(nproc, tmp_path):
     block checkpointed (as W3: on CUDA each block's attention then takes its RNG state
     as a ``torch.Generator`` input), its graphs divided into regions compiled apart
     (identical ones once, none refused) and captured whole, one CUDA graph per piece
-    as without regions; the losses and
-    parameters of 10 AdamW steps within 1e-4 of the whole-graph compile (Inductor
-    fuses across region boundaries in one and not the other). W3 on 2 H200s reused
+    as without regions; the losses of 10 AdamW steps within 1e-4 of the whole-graph
+    compile (Inductor fuses across region boundaries in one and not the other), the
+    parameters within 1e-3 of the largest: AdamW moves an element whose gradient is
+    rounding noise by up to lr = 1e-3 either way (1.58e-4 measured at 3080d57 on
+    2 H200s, 7.9e-05 with one graph per region at c44c18b). W3 on 2 H200s reused
     no region at 39f7340: this is the small case of that."""
     if _ngpu() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
@@ -304,7 +306,7 @@ def test_compile_regions_reuse_regions_and_match_whole_graphs(nproc, tmp_path):
             "captured as the whole graphs": c.get("pieces_captured", 0) == r["counters_whole"].get("pieces_captured", -1),
             "no fallback or capture failure": c.get("cudagraph_fallbacks", 0) == 0 and c.get("capture_failures", 0) == 0,
             "losses within 1e-4 of whole graphs": r["loss_max_rel"] <= 1e-4,
-            "parameters within 1e-4 of whole graphs": r["param_max_rel"] <= 1e-4,
+            "parameters within 1e-3 of whole graphs": r["param_max_rel"] <= 1e-3,
         }
         failed = [k for k, ok in checks.items() if not ok]
         assert not failed, (failed, {k: v for k, v in r.items() if k not in ("losses", "losses_whole")})
