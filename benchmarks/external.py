@@ -354,6 +354,22 @@ def build_graphcomp_fold_clip(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, fold_clip=True)
 
 
+def build_graphcomp_exchange_fold_clip(ctx: Ctx) -> Built:
+    """``graphcomp-embedding_exchange`` and ``graphcomp-fold_clip`` together: the two
+    opt-in step-time options of a language model on 1-D sharding."""
+    if ctx.device.type != "cuda":
+        raise NotRun("fold_clip needs the captured optimizer's fused AdamW (CUDA)")
+    if ctx.tp > 1:
+        raise NotRun("embedding='exchange' and fold_clip apply to 1-D sharding only (--tp 1)")
+    return build_graphcomp(ctx, embedding="exchange", fold_clip=True)
+
+
+def build_graphcomp_guard_filter(ctx: Ctx) -> Built:
+    """graphcomp with ``options={"guard_filter_fn": graphcomp.guard_filter}``: Dynamo's
+    per-call spec guards on the sharded parameters dropped (host time per call)."""
+    return build_graphcomp(ctx, options={"guard_filter_fn": _import_graphcomp().guard_filter})
+
+
 def build_graphcomp_keep_params(ctx: Ctx) -> Built:
     """graphcomp with ``reshard_after_forward=False``: every gathered parameter is kept
     from the forward to the backward (no re-gather, no second cast and unpack), the
@@ -506,6 +522,8 @@ EXTERNAL_BUILDERS = {
     "graphcomp-except_last": build_graphcomp_except_last,
     "graphcomp-embedding_exchange": build_graphcomp_embedding_exchange,
     "graphcomp-fold_clip": build_graphcomp_fold_clip,
+    "graphcomp-exchange_fold_clip": build_graphcomp_exchange_fold_clip,
+    "graphcomp-guard_filter": build_graphcomp_guard_filter,
     "graphcomp-keep_params": build_graphcomp_keep_params,
     "graphcomp-reshard_all": build_graphcomp_reshard_all,
     "graphcomp-exchange_keep": build_graphcomp_exchange_keep,
