@@ -132,7 +132,11 @@ class Session:
 
     def reset(self) -> None:
         """Zero the counters, forget frame summaries and scopes, and tear the runtime
-        down (every captured graph released; a fresh pool and stream on next use)."""
+        down (every captured graph released; a fresh pool and stream on next use).
+        The runtime goes first: with dumps on it writes ``runtime.json`` (the counters
+        and measured peak as they are) before they are cleared."""
+        if self.runtime is not None:
+            self.runtime.reset()
         self.counters.reset()
         self._frame_ids = itertools.count()
         self.frames.clear()
@@ -141,8 +145,6 @@ class Session:
         self.kept_gather_bytes.clear()
         self.keep_plans.clear()
         self.dump_target = None
-        if self.runtime is not None:
-            self.runtime.reset()
 
 
 SESSION = Session()

@@ -194,7 +194,12 @@ class Runtime:
         self.pinned = keep
 
     def reset(self) -> None:
+        """``graphcomp.reset()``'s part: tear down as :func:`teardown` does, writing
+        ``runtime.json`` first when dumps are on (the session clears its dump target and
+        counters after this), then forget every runner, owner and the pool."""
+        owners = self.owner_stats()
         self.teardown()
+        _write_runtime_record(owners)
         self.runners = weakref.WeakSet()
         self.owners = weakref.WeakSet()
         self.pool = None

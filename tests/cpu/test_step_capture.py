@@ -380,6 +380,28 @@ def test_teardown_records_what_ran_captured_for_inspect(pg1, sdev, tmp_path, mon
     assert graphcomp.runtime.teardown() == 0 and SESSION_dump_target() is None
 
 
+def test_reset_writes_the_runtime_record_before_clearing(pg1, tmp_path, monkeypatch):
+    """``graphcomp.reset()`` with dumps on writes rank<R>/runtime.json (the counters as
+    they were) before clearing them: the benchmark harness resets between systems, so
+    before this no runtime.json (and no measured peak for ``graphcomp inspect``) was
+    ever written there (2 H200s, 246ab78)."""
+    import json
+
+    monkeypatch.setenv("GRAPHCOMP_DUMP_DIR", str(tmp_path))
+    graphcomp.reset()
+    torch._dynamo.reset()
+    torch.compile(lambda t: t * 2 + 1, backend="graphcomp")(torch.ones(4))
+    assert not (tmp_path / "rank0" / "runtime.json").exists()
+    graphcomp.reset()
+    rec = json.loads((tmp_path / "rank0" / "runtime.json").read_text())
+    assert rec["counters"].get("frames_compiled") == 1, rec
+    assert graphcomp.counters.get("frames_compiled", 0) == 0 and SESSION_dump_target() is None
+    # the next reset has no dump target: nothing is rewritten
+    (tmp_path / "rank0" / "runtime.json").unlink()
+    graphcomp.reset()
+    assert not (tmp_path / "rank0" / "runtime.json").exists()
+
+
 def SESSION_dump_target():
     from graphcomp.session import SESSION
 
