@@ -5,10 +5,11 @@ device whose replay does nothing. What is left is the host work of a step: Dynam
 guards, AOTAutograd's runtime wrappers (DTensor parameters unwrapped each call),
 graphcomp's glue and runners, the autograd engine.
 
-    python -m benchmarks.call_overhead [--steps 300] [--layers 12] [--profile]
+    python -m benchmarks.call_overhead [--steps 300] [--layers 12] [--profile] [--guard-filter]
 
 Prints microseconds per step (forward + backward, no optimizer) and, with
-``--profile``, the top of a cProfile by cumulative time.
+``--profile``, the top of a cProfile by cumulative time. ``--guard-filter`` compiles
+with ``guard_filter_fn=graphcomp.guard_filter`` (A/B it against a run without).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _init_world1() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-def run(steps: int, layers: int, profile: bool = False) -> float:
+def run(steps: int, layers: int, profile: bool = False, guard_filter: bool = False) -> float:
     import sys
     from pathlib import Path
 
@@ -63,7 +64,8 @@ def run(steps: int, layers: int, profile: bool = False) -> float:
         torch.manual_seed(0)
         m = Llama(get_config("tiny").with_(n_layers=layers))
         graphcomp.shard(m)
-        cm = torch.compile(m, backend="graphcomp", options={"codegen": "eager"})
+        opts = {"codegen": "eager", **({"guard_filter_fn": graphcomp.guard_filter} if guard_filter else {})}
+        cm = torch.compile(m, backend="graphcomp", options=opts)
         tok = torch.randint(0, 131, (1, 16))
         params = list(m.parameters())
         warm = 5
@@ -100,9 +102,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--guard-filter", action="store_true", help="compile with guard_filter_fn=graphcomp.guard_filter")
     a = ap.parse_args()
-    us = run(a.steps, a.layers, a.profile)
-    print(f"host cost: {us:.1f} us per step (forward + backward, {a.layers} layers, replays do nothing)")
+    us = run(a.steps, a.layers, a.profile, a.guard_filter)
+    print(f"host cost: {us:.1f} us per step (forward + backward, {a.layers} layers, replays do nothing"
+          f"{', graphcomp.guard_filter' if a.guard_filter else ''})")
 
 
 if __name__ == "__main__":
