@@ -101,15 +101,20 @@ def _train_hf(on, codegen, steps=3):
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])
 def test_hf_llama_trains_the_same_with_the_pass(codegen):
     """HF returns the logits, so they stay (form 2): only their fp32 copy, the
-    log-probabilities and the gradient's fp32 buffers are chunked."""
-    off = _train_hf(False, codegen)
-    on = _train_hf(True, codegen)
+    log-probabilities and the gradient's fp32 buffers are chunked. The eager codegen
+    also takes the third step's ``num_items_in_batch`` (reduction "sum" / n, a second
+    frame); the Inductor one stops after two steps (one frame: two Inductor compiles
+    fewer, about 15 s of the CI suite)."""
+    steps = 3 if codegen == "eager" else 2
+    off = _train_hf(False, codegen, steps)
+    on = _train_hf(True, codegen, steps)
     torch.testing.assert_close(on[0], off[0], rtol=RTOL, atol=0)
     _close(on[1], off[1])
     _close(on[2], off[2])
     _close(on[3], off[3])  # the returned logits
     recs = [_loss_record(f) for f in on[4]]
-    assert sum(r["counts"].get("cross_entropy", 0) for r in recs) == len(recs) >= 2  # mean, and sum / n
+    # mean, and (eager codegen) sum / n
+    assert sum(r["counts"].get("cross_entropy", 0) for r in recs) == len(recs) == (2 if steps == 3 else 1)
     assert all("linear_cross_entropy" not in r["counts"] for r in recs)
 
 
