@@ -156,12 +156,6 @@ def pg1():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-    # install_stand_in turns graphcomp's destroy_process_group wrapper off, and with it
-    # the forgetting of the groups shard() registered: a later test's new group reusing
-    # a name would be taken for a sharded one (test_tp_passes after this file)
-    from graphcomp import mesh_sharding
-
-    mesh_sharding._forget_groups()
 
 
 # ----------------------------------------------------------------- training

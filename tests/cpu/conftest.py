@@ -9,11 +9,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
-    """Each test starts with no compiled frames, zero counters and Dynamo's caches cleared."""
+    """Each test starts with no compiled frames, zero counters and Dynamo's caches cleared.
+    When no process group is alive, the groups ``shard()`` registered are forgotten:
+    graphcomp forgets them in its ``destroy_process_group`` wrapper, which the CPU
+    stand-ins (``install_stand_in``, ``_fakecuda``) turn off, and a later test's new
+    group reusing a name would be taken for a sharded one (test_tp_passes after
+    test_step_capture)."""
     import graphcomp
+    from graphcomp import mesh_sharding
 
     torch._dynamo.reset()
     graphcomp.reset()
+    if not dist.is_initialized():  # (a module-scoped group may still be alive here)
+        mesh_sharding._forget_groups()
     yield
     torch._dynamo.reset()
 
