@@ -193,13 +193,19 @@ class Runtime:
                     log.warning("graphcomp: releasing a kept CUDA-graph pool failed: %s", e)
         self.pinned = keep
 
-    def reset(self) -> None:
-        """``graphcomp.reset()``'s part: tear down as :func:`teardown` does, writing
-        ``runtime.json`` first when dumps are on (the session clears its dump target and
-        counters after this), then forget every runner, owner and the pool."""
+    def teardown_and_record(self) -> int:
+        """:meth:`teardown`, then (dumps on) ``runtime.json`` with what the owners did
+        before it; returns how many graphs were released."""
         owners = self.owner_stats()
-        self.teardown()
+        n = self.teardown()
         _write_runtime_record(owners)
+        return n
+
+    def reset(self) -> None:
+        """``graphcomp.reset()``'s part: :meth:`teardown_and_record` (the session clears
+        its dump target and counters after this), then forget every runner, owner and
+        the pool."""
+        self.teardown_and_record()
         self.runners = weakref.WeakSet()
         self.owners = weakref.WeakSet()
         self.pool = None
@@ -259,10 +265,7 @@ def teardown() -> int:
     calls, replays, re-captures, decisions), the counters and, on CUDA, the measured
     peak memory (:func:`measured_memory`), which ``graphcomp inspect DIR`` shows
     beside the graphs' estimated peaks."""
-    owners = RUNTIME.owner_stats()
-    n = RUNTIME.teardown()
-    _write_runtime_record(owners)
-    return n
+    return RUNTIME.teardown_and_record()
 
 
 def _write_runtime_record(owners: list[dict[str, Any]]) -> None:
