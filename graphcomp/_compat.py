@@ -141,6 +141,41 @@ def is_recompile() -> bool:
         return False
 
 
+# ------------------------------------------------------------------ FX
+@contextlib.contextmanager
+def lazy_graph_modules() -> Iterator[None]:
+    """GraphModules built inside (``split_module``'s glue and pieces) generate their
+    Python code only when first called or read (``torch.fx._lazy_graph_module``), and a
+    later ``recompile()`` of them only marks the code stale. Each eager recompile of a
+    split W3 backward (11k nodes) also regenerates its piece: about 0.4-0.7 s per call
+    on the CPU, three to five calls per stage before any of that code was run."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # pragma: no cover (every supported torch has it)
+        yield
+        return
+    with _use_lazy_graph_module(True):
+        yield
+
+
+def lazy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as a lazy GraphModule over the same graph (its ``recompile()`` only marks
+    the code stale; the code is generated when first called or read), or ``gm`` when it
+    is one already. The partitioner's backward is a plain GraphModule, which
+    regenerated its 11k-node code after each pass that rewrote it (W3). Attributes the
+    constructor does not carry (``meta``, ``shape_env``) are carried here."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover
+        return gm
+    if isinstance(gm, _LazyGraphModule):
+        return gm
+    new = _LazyGraphModule(gm, gm.graph)
+    new.meta = gm.meta
+    new.shape_env = getattr(gm, "shape_env", None)
+    return new
+
+
 # ------------------------------------------------------------------ AOTAutograd
 def aot_autograd(**kwargs: Any) -> Callable[..., Any]:
     from torch._dynamo.backends.common import aot_autograd as _aot
@@ -657,14 +692,33 @@ def nested_tracing_context(fake_mode: Any) -> Iterator[Any]:
 
 
 _DESTROY_WRAPPED = False
-_BEFORE_DESTROY: list[Callable[[], Any]] = []  # set by graphcomp.runtime (this module imports nothing of graphcomp)
+_BEFORE_DESTROY: list[Callable[[str | None], Any]] = []  # set by graphcomp.runtime (this module imports nothing of graphcomp)
 
 
-def before_destroy_process_group(fn: Callable[[], Any]) -> None:
+def before_destroy_process_group(fn: Callable[[str | None], Any]) -> None:
     """Register ``fn`` to run before ``torch.distributed.destroy_process_group``
-    once it is wrapped (:func:`wrap_destroy_process_group`): the runtime's teardown."""
+    once it is wrapped (:func:`wrap_destroy_process_group`): the runtime's teardown,
+    and forgetting ``graphcomp.shard``'s group names. ``fn`` gets the name of the
+    group being destroyed, or None when every group goes (the default group, or a
+    group whose name could not be read)."""
     if fn not in _BEFORE_DESTROY:
         _BEFORE_DESTROY.append(fn)
+
+
+def _destroyed_group_name(group: Any) -> str | None:
+    """The name of the subgroup ``destroy_process_group(group)`` destroys; None for
+    every group (``group`` None or the default group, or a name that cannot be read:
+    the callbacks then forget everything, which is always safe)."""
+    if group is None:
+        return None
+    try:
+        import torch.distributed as dist
+
+        if group is dist.GroupMember.WORLD or group is dist.group.WORLD:
+            return None
+        return process_group_name(group)
+    except Exception:  # noqa: BLE001 (a group torch no longer knows: forget everything)
+        return None
 
 
 def wrap_destroy_process_group() -> bool:
@@ -687,8 +741,9 @@ def wrap_destroy_process_group() -> bool:
 
     @functools.wraps(orig)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        name = _destroyed_group_name(args[0] if args else kwargs.get("group"))
         for fn in list(_BEFORE_DESTROY):
-            fn()
+            fn(name)
         return orig(*args, **kwargs)
 
     destroy_process_group._graphcomp_wrapped = True  # type: ignore[attr-defined]

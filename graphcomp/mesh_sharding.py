@@ -325,10 +325,16 @@ def register(group_name: str, two_d: bool) -> None:
     _compat.wrap_destroy_process_group()
 
 
-def _forget_groups() -> None:
-    # group names are reused by the next process groups: forget them with the groups
-    SESSION.shard_groups.clear()
-    SESSION.exchange_groups.clear()
+def _forget_groups(name: str | None = None) -> None:
+    """Before ``destroy_process_group``: group names are reused by the next process
+    groups, so forget the destroyed group's (every group's when ``name`` is None).
+    Destroying an unrelated subgroup leaves the sharded groups known."""
+    if name is None:
+        SESSION.shard_groups.clear()
+        SESSION.exchange_groups.clear()
+        return
+    SESSION.shard_groups.pop(name, None)
+    SESSION.exchange_groups.discard(name)
 
 
 def shard_groups() -> dict[str, bool]:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from . import graph_utils, verify
+from . import _compat, graph_utils, verify
 from .plan import FramePlan
 from .session import SESSION
 
@@ -319,6 +319,7 @@ def run_stage(gm: fx.GraphModule, ctx: PassContext, dumper: Any = None) -> tuple
     cfg = ctx.config
     records: list[PassRecord] = []
     counters = SESSION.counters
+    gm = _compat.lazy_graph_module(gm)  # (each pass's recompile below then costs nothing until the code is used)
     if dumper is not None:
         dumper.graph(ctx.frame_id, ctx.stage, "input", gm)
     checking = verify.enabled(cfg, ctx.stage)

@@ -471,7 +471,8 @@ def split_graph(gm: fx.GraphModule, assign: dict[fx.Node, int]) -> PassResult:
     def cb(node: fx.Node) -> int:
         return name_to_piece[node.name]
 
-    split = split_module(gm, None, cb, keep_original_order=True, keep_original_node_name=True)
+    with _compat.lazy_graph_modules():  # code generated once, when first run or read
+        split = split_module(gm, None, cb, keep_original_order=True, keep_original_node_name=True)
     # split_module names submodules submod_<i>; rename to piece_<i>
     for n in split.graph.nodes:
         if n.op == "call_module" and str(n.target).startswith("submod_"):

@@ -228,7 +228,12 @@ def _register_atexit() -> None:
     atexit.register(teardown)
 
 
-def _teardown_before_destroy() -> None:
+def _teardown_before_destroy(name: str | None = None) -> None:
+    """Before any ``destroy_process_group``, a subgroup's too: a captured graph may
+    hold NCCL work on the group being destroyed (the data-parallel group, or a tensor
+    parallel group DTensor used inside it), and which groups a graph uses is not
+    recorded, so every graph is released; the pieces are captured again at their
+    next calls (``recaptures``)."""
     # looked up at call time: graphcomp.runtime.teardown (tests replace it)
     import graphcomp.runtime as _rt
 

@@ -56,3 +56,35 @@ def test_cpu_parameters_shard_over_a_one_thread_twin_of_the_group():
         assert r["timeouts"][0] == r["timeouts"][1] and r["timeouts"][0] is not None, r  # a hang fails as fast
         assert r["grad_ok"], r
         assert r["opt_out_name"] == r["world_name"], r
+
+
+def test_destroying_a_subgroup_forgets_only_that_group(monkeypatch):
+    """graphcomp's destroy_process_group wrapper forgets the destroyed group's name
+    only: destroying an unrelated subgroup must leave shard()'s groups known (they
+    decide which collectives are resharded), destroying the default group forgets all.
+    The runtime's graphs are released on every destroy (conservative: which groups a
+    captured graph uses is not recorded)."""
+    import torch.distributed as dist
+
+    from graphcomp import _compat, mesh_sharding, runtime
+
+    torn = []
+    monkeypatch.setattr(runtime, "teardown", lambda: torn.append(1) or 0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert _compat.wrap_destroy_process_group()
+        world = _compat.process_group_name(dist.group.WORLD)
+        sub = dist.new_group([0])
+        sub_name = _compat.process_group_name(sub)
+        mesh_sharding.register(world, False)
+        mesh_sharding.register(sub_name, True)
+        other = dist.new_group([0])
+        dist.destroy_process_group(other)
+        assert mesh_sharding.shard_groups() == {world: False, sub_name: True}
+        dist.destroy_process_group(group=sub)
+        assert mesh_sharding.shard_groups() == {world: False}
+        assert len(torn) == 2
+    finally:
+        dist.destroy_process_group()
+    assert mesh_sharding.shard_groups() == {}
+    assert len(torn) == 3
