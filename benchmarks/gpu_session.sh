@@ -17,6 +17,7 @@
 #   ABLATION=1        add the graphcomp per-pass ablation to W1 runs on 2 GPUs
 #   PROFILE=0         no profiler idle share (default: 3 extra profiled steps per system)
 #   TRACE=sys1,sys2   also write rank 0's Chrome trace of the profiled steps for these systems
+#   TRACE_RANKS=0,1   the ranks whose traces TRACE writes (default 0; rank R > 0 files end -rankR)
 #   HF_SIZE           hf-* runs: --hf-size (default: the workloads' own, small)
 #   TP                tensor-parallel degree for every run (--tp; default 1): W2:2 with TP=2 is
 #                     graphcomp vs FSDP2 + TP + compile on a (1, 2) mesh
@@ -138,7 +139,7 @@ for run in "${RUNS[@]}"; do
   devs=$(seq -s, 0 $(( N - 1 )))
   extra=()
   [ "$PROFILE" = "1" ] && extra+=(--profile --profile-steps 3)
-  [ "$PROFILE" = "1" ] && [ -n "${TRACE:-}" ] && extra+=(--trace "$TRACE")
+  [ "$PROFILE" = "1" ] && [ -n "${TRACE:-}" ] && extra+=(--trace "$TRACE" --trace-ranks "${TRACE_RANKS:-0}")
   [ -n "${HF_SIZE:-}" ] && [[ "$W" == hf-* ]] && extra+=(--hf-size "$HF_SIZE")
   [ "${TP:-1}" -gt 1 ] && extra+=(--tp "$TP")
   [ "${FRESH_CACHE:-0}" = "1" ] && extra+=(--fresh-cache)

@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", default="", help="comma-separated systems whose profiled steps are also written as a "
                                                "Chrome trace of rank 0 (<out-dir>/<date>-<W>-<N>gpu[-tag]-<system>"
                                                ".trace.json.gz); needs --profile")
+    p.add_argument("--trace-ranks", default="0", help="comma-separated ranks whose traces --trace writes (default 0; "
+                                                      "rank R > 0 adds -rankR to the file name): a step waiting in "
+                                                      "collectives on rank 0 shows where the slower rank spends it")
     p.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--cpu", action="store_true", help="force CPU + gloo even if CUDA is there")
@@ -221,6 +224,13 @@ def _phase_diff(after: dict[str, float], before: dict[str, float], top: int = 30
     return dict(sorted(d.items(), key=lambda kv: -kv[1])[:top])
 
 
+def _int_list(text: str) -> set[int]:
+    try:
+        return {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        raise ValueError(f"--trace-ranks: {text!r} is not a comma-separated list of ranks (e.g. 0,1)") from None
+
+
 def _failure_text(e: BaseException) -> str:
     """Exception text plus the innermost frames (and those of a backend's own error,
     which Dynamo wraps in BackendCompilerFailed)."""
@@ -315,8 +325,8 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
                     built.step(*batches[i % total])
             try:
                 tpath = None
-                if ctx.rank == 0 and name in {x.strip() for x in args.trace.split(",") if x.strip()}:
-                    tpath = f"{args.trace_base}-{name}.trace.json.gz"
+                if ctx.rank in _int_list(args.trace_ranks) and name in {x.strip() for x in args.trace.split(",") if x.strip()}:
+                    tpath = f"{args.trace_base}-{name}{f'-rank{ctx.rank}' if ctx.rank else ''}.trace.json.gz"
                 prof = measure.gpu_idle_share(more, args.profile_steps, device, trace_path=tpath)
             except Exception as e:  # noqa: BLE001
                 prof = {"error": _failure_text(e)}
