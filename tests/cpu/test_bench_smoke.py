@@ -1,11 +1,11 @@
 """The benchmark harness cannot rot: run its smoke workload on 2 gloo CPU ranks.
 
 The slow test launches ``python -m torch.distributed.run --nproc-per-node 2 -m
-benchmarks.run --workload smoke`` for every system that can run on a CPU and checks
-the JSON it writes. Measured here (2 cores, TORCHINDUCTOR_COMPILE_THREADS=1): 3.4
-minutes with an empty Inductor cache (ddp_compile 79 s, graphcomp 57 s, fsdp2_compile
-35 s of compile), 1.3 minutes with the cache warm (the usual case on a CI machine that
-ran it before: the cache lives in /tmp/torchinductor_$USER).
+benchmarks.run --workload smoke`` for the systems below and checks the JSON it writes.
+Measured here (2 cores, TORCHINDUCTOR_COMPILE_THREADS=1) when ddp_compile was among
+them: 3.4 minutes with an empty Inductor cache (ddp_compile 79 s, graphcomp 57 s,
+fsdp2_compile 35 s of compile), 1.3 minutes with the cache warm (the cache lives in
+/tmp/torchinductor_$USER).
 The other tests check the report logic on hand-made results, in milliseconds.
 """
 
@@ -23,8 +23,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-SYSTEMS = ("fsdp2", "ddp", "ddp_compile", "fsdp2_compile", "graphcomp")
-MUST_RUN = ("fsdp2", "ddp", "ddp_compile", "fsdp2_compile")  # torch-native: always runnable on CPU
+# ddp_compile (torch.compile over ddp's model, 3 lines of benchmarks/systems.py) is left to
+# the GPU sessions, which run it on W1/W2: its DDPOptimizer buckets were this fixture's
+# largest cold compile (79 s of 3.4 min with an empty Inductor cache)
+SYSTEMS = ("fsdp2", "ddp", "fsdp2_compile", "graphcomp")
+MUST_RUN = ("fsdp2", "ddp", "fsdp2_compile")  # torch-native: always runnable on CPU
 
 # BENCHMARKS.md "every run writes all of them"
 REQUIRED_METRICS = (
@@ -145,7 +148,7 @@ def test_smoke_outputs_and_progress(smoke):
         assert Path(stem + ".png").exists()
     except ImportError:
         assert "PNG skipped" in out
-    assert "[bench] system=ddp_compile compiling..." in out
+    assert "[bench] system=fsdp2_compile compiling..." in out
     assert "[bench] system=fsdp2 step 6/6" in out
     # progress lines come from rank 0 only
     assert out.count("[bench] system=fsdp2 first step ") == 1

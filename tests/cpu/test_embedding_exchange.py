@@ -17,7 +17,7 @@ from torch import nn
 from _dist import DistPool
 
 
-def _train(rank, world, mode, pdt, steps=3):
+def _train(rank, world, mode, pdt, steps=3, codegen="inductor"):
     import graphcomp
     from graphcomp.models import Llama, synthetic_batch
 
@@ -26,7 +26,7 @@ def _train(rank, world, mode, pdt, steps=3):
     torch.manual_seed(0)
     m = Llama("tiny")
     graphcomp.shard(m, param_dtype=pdt, embedding=mode)
-    cm = torch.compile(m, backend="graphcomp")
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": codegen})
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     losses, grad0 = [], None
     for step in range(steps):
@@ -50,8 +50,10 @@ def ranks2():
 
 
 def test_fp32_exchange_matches_the_table_gather(ranks2):
-    gather = ranks2.run(_train, "gather", None)
-    exch = ranks2.run(_train, "exchange", None)
+    # eager codegen: the exchange is a graph rewrite, the same under either codegen
+    # (the bf16 test below runs Inductor); two Inductor compiles less in CI
+    gather = ranks2.run(_train, "gather", None, 3, "eager")
+    exch = ranks2.run(_train, "exchange", None, 3, "eager")
     table_bytes = 2 * 66 * 32 * 4  # the tiny Llama's embedding gathered: 2 shards of 66 rows, fp32
     for g, x in zip(gather, exch):
         assert x["exchange"] and not g["exchange"]
