@@ -53,7 +53,9 @@ class Config:
     output bytes for all-gathers, input bytes for reduce-scatters). Consecutive
     collectives are packed until the next one would pass this. Larger buckets mean
     fewer, more efficient collectives but more memory held by gathered parameters
-    early (a bucket is gathered at its first use). Must be >= 0; 0 disables bucketing."""
+    early (a bucket is gathered at its first use). Must be >= 0; 0 disables bucketing.
+    W2 (2 H200s, one run): 256 MiB gave 137.7 against 140.5 ms per step, from fewer
+    gradient reduce-scatters (the default issues 67 per step, FSDP2 17)."""
 
     reshard_after_forward: bool | Literal["auto", "except_last"] = "auto"
     """Pass ``schedule_free``: whether a gathered parameter is released after its
