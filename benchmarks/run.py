@@ -93,7 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=900.0, help="process-group timeout, seconds")
     p.add_argument("--nproc", type=int, default=None,
                    help="when not already under torchrun: re-launch under torch.distributed.run with N ranks")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        _int_list(args.trace_ranks)
+    except ValueError as e:  # refused at start, not after a system's compile
+        p.error(str(e))
+    return args
 
 
 # --------------------------------------------------------------------------- setup
