@@ -473,11 +473,15 @@ def split_graph(gm: fx.GraphModule, assign: dict[fx.Node, int]) -> PassResult:
 
     with _compat.lazy_graph_modules():  # code generated once, when first run or read
         split = split_module(gm, None, cb, keep_original_order=True, keep_original_node_name=True)
+    # a torch whose split_module builds plain GraphModules whatever the setting
+    # (2.11): lazy from here on, so the recompiles below and after later passes only
+    # mark the code stale (each regenerated the glue and every piece)
+    split = _compat.lazy_graph_module(split)
     # split_module names submodules submod_<i>; rename to piece_<i>
     for n in split.graph.nodes:
         if n.op == "call_module" and str(n.target).startswith("submod_"):
             new = "piece_" + str(n.target)[len("submod_"):]
-            setattr(split, new, getattr(split, n.target))
+            setattr(split, new, _compat.lazy_graph_module(getattr(split, n.target)))
             delattr(split, n.target)
             n.target = new
     # carry meta['val'] onto the glue graph's placeholders / piece outputs where names match

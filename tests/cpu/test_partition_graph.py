@@ -763,3 +763,43 @@ def test_region_assign_needs_every_node_tagged_and_two_regions():
     for n in body:
         n.meta[pg.REGION_META] = 0
     assert _region_assign(gm) == {}  # one region: nothing to compose
+
+
+@pytest.mark.parametrize("lazy_split_module", [True, False])
+def test_split_graph_returns_lazy_modules_whatever_split_module_builds(monkeypatch, lazy_split_module):
+    """The glue and its pieces come back as lazy GraphModules (a recompile marks the
+    code stale; it is generated when first run or read), also where torch's
+    split_module ignores the lazy setting and builds plain GraphModules (torch 2.11;
+    simulated here by turning the setting off), and they compute what the graph did."""
+    import contextlib
+
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from graphcomp import _compat
+
+    if not lazy_split_module:
+        monkeypatch.setattr(_compat, "lazy_graph_modules", contextlib.nullcontext)
+
+    def f(x, y):
+        a = torch.sin(x) + y
+        b = a.relu() * 2
+        c = torch.cos(b) - x
+        return b, c
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    gm = make_fx(f)(x, y)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    cut = nodes[2].name
+
+    def pred(n):
+        return pg.SplitReason(n.name, "user_split_op", "test") if n.name == cut else None
+
+    assign, rows, _ = pg.plan_pieces(gm, predicate=pred)
+    split = pg.split_graph(gm, assign)
+    pieces = [m for _, m in split.named_children()]
+    assert len(pieces) == len(rows) >= 2
+    assert isinstance(split, _LazyGraphModule) and all(isinstance(p, _LazyGraphModule) for p in pieces)
+    assert [n.target for n in split.graph.nodes if n.op == "call_module"] == [f"piece_{i}" for i in range(len(rows))]
+    for a, b in zip(gm(x, y), split(x, y)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert "piece_0" in split.code  # the code is there when read
