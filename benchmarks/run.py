@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="when not already under torchrun: re-launch under torch.distributed.run with N ranks")
     args = p.parse_args(argv)
     try:
-        _int_list(args.trace_ranks)
+        _trace_ranks(args.trace_ranks)
     except ValueError as e:  # refused at start, not after a system's compile
         p.error(str(e))
     return args
@@ -229,7 +229,7 @@ def _phase_diff(after: dict[str, float], before: dict[str, float], top: int = 30
     return dict(sorted(d.items(), key=lambda kv: -kv[1])[:top])
 
 
-def _int_list(text: str) -> set[int]:
+def _trace_ranks(text: str) -> set[int]:
     try:
         return {int(x) for x in text.split(",") if x.strip()}
     except ValueError:
@@ -330,7 +330,7 @@ def run_system(name: str, builder, ctx: Ctx, args, batches, matmul_tflops, P: Pr
                     built.step(*batches[i % total])
             try:
                 tpath = None
-                if ctx.rank in _int_list(args.trace_ranks) and name in {x.strip() for x in args.trace.split(",") if x.strip()}:
+                if ctx.rank in _trace_ranks(args.trace_ranks) and name in {x.strip() for x in args.trace.split(",") if x.strip()}:
                     tpath = f"{args.trace_base}-{name}{f'-rank{ctx.rank}' if ctx.rank else ''}.trace.json.gz"
                 prof = measure.gpu_idle_share(more, args.profile_steps, device, trace_path=tpath)
             except Exception as e:  # noqa: BLE001

@@ -714,7 +714,7 @@ def _destroyed_group_name(group: Any) -> str | None:
     try:
         import torch.distributed as dist
 
-        if group is dist.GroupMember.WORLD or group is dist.group.WORLD:
+        if group is dist.GroupMember.WORLD:  # (what dist.group.WORLD returns)
             return None
         return process_group_name(group)
     except Exception:  # noqa: BLE001 (a group torch no longer knows: forget everything)

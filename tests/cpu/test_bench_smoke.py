@@ -391,9 +391,9 @@ def test_call_overhead_benchmark_runs_the_replay_path():
 def test_trace_ranks_are_checked_at_start():
     """``--trace-ranks`` names the ranks whose traces ``--trace`` writes; a bad list is
     refused when the arguments are read, not after a system has compiled."""
-    from benchmarks.run import _int_list, parse_args
+    from benchmarks.run import _trace_ranks, parse_args
 
-    assert _int_list(parse_args(["--trace-ranks", "0,1"]).trace_ranks) == {0, 1}
-    assert _int_list(parse_args([]).trace_ranks) == {0}
+    assert _trace_ranks(parse_args(["--trace-ranks", "0,1"]).trace_ranks) == {0, 1}
+    assert _trace_ranks(parse_args([]).trace_ranks) == {0}
     with pytest.raises(SystemExit):
         parse_args(["--trace-ranks", "0,x"])
