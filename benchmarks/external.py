@@ -406,6 +406,18 @@ def build_graphcomp_bucket256(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"bucket_bytes": 256 * 2**20})
 
 
+def build_graphcomp_rs256(ctx: Ctx) -> Built:
+    """graphcomp with ``reduce_bucket_bytes`` at 256 MiB: the gathers keep the default
+    64 MiB buckets, the gradient reduce-scatters are packed into up to 256 MiB."""
+    return build_graphcomp(ctx, options={"reduce_bucket_bytes": 256 * 2**20})
+
+
+def build_graphcomp_rs512(ctx: Ctx) -> Built:
+    """graphcomp with ``reduce_bucket_bytes`` at 512 MiB (gathers at the default 64 MiB):
+    about one reduce-scatter per block of W2 and more."""
+    return build_graphcomp(ctx, options={"reduce_bucket_bytes": 512 * 2**20})
+
+
 def build_graphcomp_compile_regions(ctx: Ctx) -> Built:
     """graphcomp with ``compile_regions=True``: the forward and backward graphs cut
     into regions (one per block in a sharded transformer) and each distinct region
@@ -524,6 +536,8 @@ EXTERNAL_BUILDERS = {
     "graphcomp-eager_optimizer": build_graphcomp_eager_optimizer,
     "graphcomp-remat_auto": build_graphcomp_remat_auto,
     "graphcomp-bucket256": build_graphcomp_bucket256,
+    "graphcomp-rs256": build_graphcomp_rs256,
+    "graphcomp-rs512": build_graphcomp_rs512,
     "graphcomp-compile_regions": build_graphcomp_compile_regions,
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-whole_step-flat_buckets": build_graphcomp_whole_step_flat_buckets,

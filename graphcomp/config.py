@@ -57,6 +57,15 @@ class Config:
     W2 (2 H200s, one run): 256 MiB gave 137.7 against 140.5 ms per step, from fewer
     gradient reduce-scatters (the default issues 67 per step, FSDP2 17)."""
 
+    reduce_bucket_bytes: int | None = None
+    """Largest bucket of gradient reduce-scatters for ``bucket_collectives``, in input
+    bytes (the full gradients packed into one collective); ``None`` (default) uses
+    ``bucket_bytes``. Gathers and reduce-scatters trade differently: a larger gather
+    bucket holds more gathered parameters earlier (memory, and a later first use),
+    while a larger reduce-scatter bucket only holds one packed send buffer a little
+    longer and issues fewer, larger collectives. Must be >= 0; 0 disables
+    reduce-scatter bucketing only."""
+
     reshard_after_forward: bool | Literal["auto", "except_last"] = "auto"
     """Pass ``schedule_free``: whether a gathered parameter is released after its
     last use in forward and gathered again in backward. ``True``: reshard every
@@ -292,6 +301,8 @@ class Config:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         if self.bucket_bytes < 0:
             raise ValueError(f"Config.bucket_bytes: must be >= 0, got {self.bucket_bytes}")
+        if self.reduce_bucket_bytes is not None and self.reduce_bucket_bytes < 0:
+            raise ValueError(f"Config.reduce_bucket_bytes: must be >= 0 or None, got {self.reduce_bucket_bytes}")
         if self.prefetch_bytes < 0:
             raise ValueError(f"Config.prefetch_bytes: must be >= 0, got {self.prefetch_bytes}")
         mb = self.memory_budget

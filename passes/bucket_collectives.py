@@ -19,7 +19,8 @@ The flat form is what the joint passes (``remat``, ``schedule_free``) and
 into a grouped collective with one buffer per member (no copy-out, no pack).
 
 Reduce-scatters. Consecutive gradient reduce-scatters (same group, dtype and
-reduce op) are packed the same way and issued where the last gradient of the
+reduce op) are packed the same way, up to ``Config.reduce_bucket_bytes`` of input
+(``bucket_bytes`` when it is ``None``), and issued where the last gradient of the
 bucket is ready::
 
     pack_for_reduce_scatter([g_0..g_k]) -> reduce_scatter -> wait
@@ -217,10 +218,12 @@ def _bucket_reduce_scatters(gm: fx.GraphModule, b: _Bucket, bid: str) -> fx.Node
 @register_pass("bucket_collectives", stages=("joint",), after=("fuse_allgather_downcast",))
 def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     limit = ctx.config.bucket_bytes
+    rs_limit = limit if ctx.config.reduce_bucket_bytes is None else ctx.config.reduce_bucket_bytes
     ag_buckets = _plan(_items(gm, c10d.all_gather_into_tensor.default, "all_gather", ctx), limit)
-    rs_buckets = _plan(_items(gm, c10d.reduce_scatter_tensor.default, "reduce_scatter", ctx), limit)
+    rs_buckets = _plan(_items(gm, c10d.reduce_scatter_tensor.default, "reduce_scatter", ctx), rs_limit)
     if not ag_buckets and not rs_buckets:
-        return ctx.unchanged(gm, f"no two consecutive compatible collectives fit in bucket_bytes={limit}")
+        return ctx.unchanged(gm, "no two consecutive compatible collectives fit in "
+                                 f"bucket_bytes={limit} (gathers) / {rs_limit} (reduce-scatters)")
     hoist = set()
     for i, b in enumerate(ag_buckets):
         hoist.add(_bucket_gathers(gm, b, f"{ctx.stage}:ag{i}"))

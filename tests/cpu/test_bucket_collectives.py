@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import graphcomp
+
 from _graphs import c10d, counts, gather, reduce_scatter, run_pass, trace, world1_group
 
 AG = "_c10d_functional.all_gather_into_tensor.default"
@@ -89,6 +91,31 @@ def test_reduce_scatter_buckets():
     c = counts(gm)
     assert c[RS] == 2 and c[PACK_RS] == 1  # [g0, g1, g2] bucketed, g3 alone
     assert rec.counts["reduce_scatters_bucketed"] == 3
+
+
+def test_reduce_scatters_have_their_own_cap():
+    """reduce_bucket_bytes caps the reduce-scatter buckets; the gathers keep bucket_bytes."""
+    def f(*shards):
+        ws = [gather(s, 2, "g") for s in shards]
+        return [reduce_scatter(w * 2, 2, "g") for w in ws]
+
+    args = [torch.randn(4, 4) for _ in range(4)]  # gathered 8x4 fp32: 128 bytes each, as the grads
+    gm, rec = run_pass("bucket_collectives", trace(f, *args), bucket_bytes=2 * 128, reduce_bucket_bytes=4 * 128)
+    c = counts(gm)
+    assert c[AG] == 2 and c[RS] == 1 and c[PACK_RS] == 1  # gathers in 2 buckets of 2, grads in 1 of 4
+    assert rec.counts["all_gathers_bucketed"] == 4 and rec.counts["reduce_scatters_bucketed"] == 4
+    gm, _ = run_pass("bucket_collectives", trace(f, *args), bucket_bytes=4 * 128, reduce_bucket_bytes=0)
+    c = counts(gm)
+    assert c[AG] == 1 and c[RS] == 4 and PACK_RS not in c  # 0 turns reduce-scatter bucketing off only
+    gm, _ = run_pass("bucket_collectives", trace(f, *args), bucket_bytes=2 * 128, reduce_bucket_bytes=None)
+    assert counts(gm)[RS] == 2  # None: the gathers' cap
+
+
+def test_reduce_bucket_bytes_is_validated():
+    with pytest.raises(ValueError, match="reduce_bucket_bytes"):
+        graphcomp.Config.from_options({"reduce_bucket_bytes": -1})
+    with pytest.raises(ValueError, match="reduce_bucket_bytes"):
+        graphcomp.Config.from_options({"reduce_bucket_bytes": "big"})
 
 
 def test_semantics_on_a_real_world1_group():
