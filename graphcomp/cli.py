@@ -49,6 +49,12 @@ def _passes(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        # handed over whole: argparse's REMAINDER drops a first token that looks like
+        # an option, so `graphcomp demo --steps 2` was an error of the outer parser
+        from .demo import launch
+
+        return launch(argv[1:])
     p = argparse.ArgumentParser(prog="graphcomp", description="graphcomp: a torch.compile backend for sharded training")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -64,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pd = sub.add_parser("demo", help="train the demo Llama a few steps on 2 ranks (gloo CPU, or NCCL GPUs)")
     pd.add_argument("rest", nargs=argparse.REMAINDER, help="options for graphcomp.demo (see --help there)")
+    # (main hands `demo ...` to graphcomp.demo.launch before parsing; this entry is for --help)
 
     pp = sub.add_parser("passes", help="list the passes in the order they run, with their stages and defaults")
     pp.add_argument("-v", "--verbose", action="store_true", help="print each pass's whole docstring (its pattern)")
@@ -71,10 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "inspect":
         return _inspect(args)
-    if args.cmd == "demo":
-        from .demo import launch
-
-        return launch(args.rest)
     if args.cmd == "passes":
         return _passes(args)
     return 2

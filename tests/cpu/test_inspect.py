@@ -322,3 +322,15 @@ def test_piece_rows_name_their_compile_regions():
     assert row["regions"] == 33 and nodes_text(row) == "4213 in 33 regions"
     plain = Piece(index=1, mode="eager", nodes=12).row()
     assert "regions" not in plain and nodes_text(plain) == "12"
+
+
+def test_cli_demo_hands_its_options_to_the_demo(monkeypatch):
+    """`graphcomp demo --steps 2 ...` reaches graphcomp.demo with every option (argparse's
+    REMAINDER used to reject a first option as the outer parser's)."""
+    import graphcomp.demo
+
+    seen = []
+    monkeypatch.setattr(graphcomp.demo, "launch", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["demo", "--steps", "2", "--codegen", "eager"]) == 0
+    assert cli.main(["demo"]) == 0
+    assert seen == [["--steps", "2", "--codegen", "eager"], []]
