@@ -418,6 +418,12 @@ def build_graphcomp_rs512(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"reduce_bucket_bytes": 512 * 2**20})
 
 
+def build_graphcomp_remat_auto_rs256(ctx: Ctx) -> Built:
+    """``graphcomp-remat_auto`` with ``reduce_bucket_bytes`` at 256 MiB (W3: a block's fp32
+    gradients, about 870 MB, go in 4 reduce-scatters instead of 14)."""
+    return build_graphcomp(ctx, options={"remat": "auto", "reduce_bucket_bytes": 256 * 2**20})
+
+
 def build_graphcomp_compile_regions(ctx: Ctx) -> Built:
     """graphcomp with ``compile_regions=True``: the forward and backward graphs cut
     into regions (one per block in a sharded transformer) and each distinct region
@@ -538,6 +544,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-bucket256": build_graphcomp_bucket256,
     "graphcomp-rs256": build_graphcomp_rs256,
     "graphcomp-rs512": build_graphcomp_rs512,
+    "graphcomp-remat_auto-rs256": build_graphcomp_remat_auto_rs256,
     "graphcomp-compile_regions": build_graphcomp_compile_regions,
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-whole_step-flat_buckets": build_graphcomp_whole_step_flat_buckets,

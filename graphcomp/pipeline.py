@@ -51,6 +51,7 @@ PASS_ORDER: tuple[str, ...] = (
     "bucket_collectives",       # joint: pack gathers / reduce-scatters into buckets
     "remat",                    # joint: recompute activations to fit memory_budget (tags)
     "schedule_free",            # joint: reshard after forward, keep gathers in the room remat left (tags)
+    "defer_weight_grads",       # bwd: the last reduce-scatter's inputs first, weight gradients after it
     "schedule_prefetch",        # fwd, bwd: move gathers early, waits late
     "zero_copy_buckets",        # fwd, bwd: buckets as grouped collectives (no copy-out, no pack)
     "partition_graph",          # fwd, bwd: cut where CUDA graphs cannot go

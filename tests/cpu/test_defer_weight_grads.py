@@ -1,0 +1,131 @@
+"""defer_weight_grads on hand-built backward graphs: what moves, where it stops, no-ops, semantics."""
+
+import types
+
+import pytest
+import torch
+
+from _graphs import c10d, reduce_scatter, run_pass, trace, world1_group
+
+import graphcomp.passes.defer_weight_grads as dwg
+
+aten = torch.ops.aten
+RS = c10d.reduce_scatter_tensor.default
+
+
+def _backward(n_blocks=3, h=4096, tokens=8192, vocab=32768, world=2, group="g", mutate=False):
+    """A transformer backward in miniature: per block a weight gradient (dY^T X, its own
+    reduce-scatter) and a data gradient (dY W); then the embedding's table gradient,
+    reduce-scattered last."""
+
+    def f(dy, idx, *xw):
+        g = dy
+        outs = []
+        for b in range(n_blocks):
+            x, w = xw[2 * b], xw[2 * b + 1]
+            dw = g.t() @ x
+            if mutate and b == n_blocks - 1:
+                dw.mul_(0.5)  # a mutation in the last block: the cut may not pass it
+            g = g @ w
+            outs.append(reduce_scatter(dw, world, group))
+        table = aten.embedding_dense_backward(g, idx, vocab, -1, False)
+        outs.append(reduce_scatter(table, world, group))
+        return outs
+
+    args = [torch.randn(tokens, h), torch.randint(0, vocab, (tokens,))]
+    for _ in range(n_blocks):
+        args += [torch.randn(tokens, h), torch.randn(h, h)]
+    return f, args
+
+
+def _order(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _mms(gm):
+    return [n for n in gm.graph.nodes if n.target is aten.mm.default]
+
+
+def _rss(gm):
+    return [n for n in gm.graph.nodes if n.target is RS]
+
+
+def test_weight_gradients_before_the_table_gradient_move_after_its_reduce_scatter():
+    f, args = _backward()
+    gm = trace(f, *args)
+    mms = _mms(gm)  # per block: dW then dX
+    dws, dxs = mms[0::2], mms[1::2]
+    last = _rss(gm)[-1]
+    # modelled at world 2: the table gradient's reduce-scatter (512 MiB) 1.07 ms, a block's
+    # (64 MiB) 0.13 ms, a dW (275 GFLOP) 0.69 ms: block 2's dW and RS move (0.69 < 1.07 + 0.13),
+    # then block 1's (1.37 >= 1.07 + 2 x 0.13)
+    gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")
+    o = _order(gm)
+    assert o[last] < o[dws[2]] and o[last] < o[dws[1]]  # the last two blocks' dW deferred
+    assert o[dws[0]] < o[last]  # the first block's stays: enough was moved
+    assert all(o[dx] < o[last] for dx in dxs)  # the data-gradient chain feeds the table gradient
+    rss = _rss(gm)
+    assert rss[-1] is not last and rss[0] is not last and o[rss[0]] < o[last]  # block 2's and 1's RS moved with them
+    assert rec.counts["weight_grad_nodes_deferred"] == 7  # 2 x (dW, its reduce-scatter, its wait) + the last dW's transpose
+    assert not rec.reason
+
+
+def test_more_bandwidth_moves_less(monkeypatch):
+    monkeypatch.setattr(dwg, "COLLECTIVE_BYTES_PER_S", 10e12)  # the collective is modelled short
+    f, args = _backward()
+    gm = trace(f, *args)
+    dws, last = _mms(gm)[0::2], _rss(gm)[-1]
+    gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")
+    o = _order(gm)
+    assert o[dws[2]] > o[last] and o[dws[1]] < o[last]  # one dW is enough
+    assert rec.counts["weight_grad_nodes_deferred"] == 3
+
+
+def test_the_cut_stops_at_a_mutation():
+    f, args = _backward(mutate=True)
+    gm, rec = run_pass("defer_weight_grads", trace(f, *args), stage="bwd")
+    assert "side effects" in rec.reason  # the last dW is mutated in place: nothing may pass
+
+
+@pytest.mark.parametrize("case", ["no_rs", "world1", "all_ancestors"])
+def test_no_ops(case):
+    if case == "no_rs":
+        gm = trace(lambda a, b: (a @ b).sum(), torch.randn(8, 8), torch.randn(8, 8))
+        why = "no reduce-scatter"
+    elif case == "world1":
+        f, args = _backward(world=1)  # a reduce-scatter over one rank moves no bytes: nothing to cover
+        gm = trace(f, *args)
+        why = "moves no bytes"
+    else:
+        gm = trace(lambda a: reduce_scatter(a.t() @ a * 2, 2, "g"), torch.randn(4096, 4096))
+        why = "every node before the last reduce-scatter"
+    before = [n.name for n in gm.graph.nodes]
+    gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")
+    assert why in rec.reason
+    assert [n.name for n in gm.graph.nodes] == before
+
+
+def test_order_is_restored_when_the_estimate_passes_the_budget(monkeypatch):
+    peaks = iter([100, 200])
+    monkeypatch.setattr(dwg.memory, "estimate", lambda gm: types.SimpleNamespace(peak_bytes=next(peaks)))
+    monkeypatch.setattr(dwg.memory, "resolve_budget", lambda b, gm: 150)
+    f, args = _backward()
+    gm = trace(f, *args)
+    before = [n.name for n in gm.graph.nodes]
+    gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")
+    assert "memory_budget=150" in rec.reason
+    assert [n.name for n in gm.graph.nodes] == before
+
+
+def test_same_values_on_a_real_group(monkeypatch):
+    monkeypatch.setattr(dwg, "collective_seconds", lambda nbytes, world: 1.0)  # move everything it may
+    with world1_group() as group:
+        f, args = _backward(h=16, tokens=8, vocab=32, world=1, group=group)
+        gm = trace(f, *args)
+        ref = gm(*args)
+        first_dw, last = _mms(gm)[0], _rss(gm)[-1]
+        gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")
+        o = _order(gm)
+        assert not rec.reason and o[first_dw] > o[last]  # every dW went after the table's reduce-scatter
+        for a, b in zip(gm(*args), ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
