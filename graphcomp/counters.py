@@ -50,6 +50,9 @@ class Counters(Mapping):
     """Flat buckets made by bucket_collectives (all-gather and reduce-scatter)."""
     gathers_resharded: int = 0
     """Gathers schedule_free tagged to be freed after forward and re-gathered in backward."""
+    weight_grad_nodes_deferred: int = 0
+    """Backward nodes defer_weight_grads moved after the last gradient reduce-scatter (the
+    weight-gradient compute that collective's inputs do not need, and its reduce-scatters)."""
     activations_recomputed: int = 0
     """Saved activations remat's plan recomputes in backward to fit memory_budget (its additions; under
     remat="auto" also the user-region activations it left recomputed)."""

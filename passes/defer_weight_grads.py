@@ -174,6 +174,7 @@ def defer_weight_grads(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                          f"{after.peak_bytes} bytes, over memory_budget={budget}")
             _reorder(gm, rs, moved)  # over the budget either way, and no higher: keep it
     ctx.count("weight_grad_nodes_deferred", len(moved))
+    ctx.counter("weight_grad_nodes_deferred", len(moved))
     ctx.note(f"{len(moved)} nodes ({seconds * 1e3:.2f} ms modelled) after {rs.name} "
              f"({target * 1e3:.2f} ms modelled)")
     return ctx.changed(gm)

@@ -68,6 +68,14 @@ def _train_sharded(rank, world, cfg):
             return _train_sharded(rank, world, {**cfg, "zero_copy_cpu": False})
         finally:
             gc_backend.FramePlan = FramePlan
+    if cfg.get("defer_all"):  # defer_weight_grads models the wire as slow: it moves everything it may
+        import graphcomp.passes.defer_weight_grads as dwg
+
+        dwg.COLLECTIVE_BYTES_PER_S, saved = 1.0, dwg.COLLECTIVE_BYTES_PER_S
+        try:
+            return _train_sharded(rank, world, {**cfg, "defer_all": False})
+        finally:
+            dwg.COLLECTIVE_BYTES_PER_S = saved
     torch.manual_seed(0)
     m = Llama(cfg.get("model", "tiny"))
     graphcomp.shard(m, param_dtype=cfg.get("param_dtype"))
@@ -259,3 +267,18 @@ def test_zero_copy_buckets_is_bitwise_the_flat_buckets(ranks2):
             for k in fp:
                 torch.testing.assert_close(params[k], fp[k], rtol=0, atol=0, msg=lambda m, k=k: f"{extra} {k}: {m}")
             assert c["pass:zero_copy_buckets:changed"] == 2 and "pass:zero_copy_buckets:changed" not in fc
+
+
+def test_defer_weight_grads_is_bitwise_the_original_order(ranks2):
+    """defer_weight_grads only moves nodes: with everything it may move moved (the wire
+    modelled slow), training is bitwise the pass-off run's (bf16 params, buckets, eager
+    codegen; also the deep model captured on the stand-in device)."""
+    for extra in ({}, {"model": "tiny-deep", "fake_cuda": True}):
+        cfg = {"fuse": True, "bucket": True, "param_dtype": torch.bfloat16, "steps": 3, **extra}
+        on = ranks2.run(_train_sharded, {**cfg, "defer_all": True})
+        off = ranks2.run(_train_sharded, {**cfg, "passes": {"defer_weight_grads": False}})
+        for (losses, params, c), (ol, op, oc) in zip(on, off):
+            assert losses == ol, extra
+            for k in op:
+                torch.testing.assert_close(params[k], op[k], rtol=0, atol=0, msg=lambda m, k=k: f"{extra} {k}: {m}")
+            assert c["weight_grad_nodes_deferred"] >= 10 and "weight_grad_nodes_deferred" not in oc, (extra, c)
