@@ -281,6 +281,33 @@ def test_sharded_training_bitwise_and_safety(nproc, tmp_path):
 
 
 @pytest.mark.parametrize("nproc", [2])
+def test_defer_weight_grads_bitwise_on_nccl_with_cuda_graphs(nproc, tmp_path):
+    """``defer_weight_grads`` moving everything it may (the wire modelled slow) on the
+    checkpointed tiny-deep Llama with ``remat="auto"``, CUDA graphs on, 10 AdamW steps on
+    2 GPUs: eager codegen bitwise equal to the pass off; Inductor (whose fusions follow
+    the node order) within 1e-4 (loss) and 1e-3 of the largest parameter (AdamW moves
+    an element whose gradient is rounding noise by up to lr = 1e-3)."""
+    if _ngpu() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    results = _torchrun(nproc, "defer", tmp_path, timeout=300)
+    for r in results:
+        c = r["eager_counters_on"]
+        checks = {
+            "eager: losses bitwise": r["eager_bitwise_losses"],
+            "eager: params bitwise": r["eager_bitwise_params"],
+            "inductor: losses within 1e-4": r["inductor_loss_max_rel"] <= 1e-4,
+            "inductor: params within 1e-3": r["inductor_param_max_rel"] <= 1e-3,
+            "the pass moved nodes (eager, inductor)": c.get("weight_grad_nodes_deferred", 0) >= 10
+                and r["inductor_counters_on"].get("weight_grad_nodes_deferred", 0) >= 10,
+            "pass off: nothing moved": "weight_grad_nodes_deferred" not in r["eager_counters_off"],
+            "captured, no fallback": c.get("captures", 0) >= 2 and c.get("cudagraph_fallbacks", 0) == 0
+                and r["inductor_counters_on"].get("cudagraph_fallbacks", 0) == 0,
+        }
+        failed = [k for k, ok in checks.items() if not ok]
+        assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k})
+
+
+@pytest.mark.parametrize("nproc", [2])
 def test_compile_regions_reuse_regions_and_match_whole_graphs(nproc, tmp_path):
     """``compile_regions`` on NCCL with CUDA graphs: the tiny-deep Llama with every
     block checkpointed (as W3: on CUDA each block's attention then takes its RNG state
