@@ -43,7 +43,7 @@ def test_depyf_dump_dir_holds_graphcomps_transformed_graphs(tmp_path, codegen):
     ours = sorted(n for n in files if ".graphcomp_frame0_" in n)
     # depyf names graphs <compiled fn>.<name>.<k>.py: the stage inputs and every pass output
     for name in ("dynamo_input", "joint_input", "fwd_input", "bwd_input", "fwd_00_schedule_prefetch",
-                 "bwd_03_cudagraphs"):
+                 "bwd_00_defer_weight_grads", "bwd_04_cudagraphs"):
         assert any(f".graphcomp_frame0_{name}." in n for n in ours), (name, ours)
     (after,) = [files[n] for n in ours if "_joint_" in n and n.split(".")[1].endswith("_relu_to_sigmoid")]
     (before,) = [files[n] for n in ours if ".graphcomp_frame0_joint_input." in n]
@@ -80,7 +80,7 @@ def test_torch_logs_module_name_shows_graphcomps_graphs():
     p = _run(_COMPILE.format(pre=""), TORCH_LOGS="+graphcomp")
     heads = _graph_headers(p.stderr)
     for name in ("graphcomp_frame0_joint_input", "graphcomp_frame0_joint_02_bucket_collectives",
-                 "graphcomp_frame0_fwd_input", "graphcomp_frame0_bwd_03_cudagraphs"):
+                 "graphcomp_frame0_fwd_input", "graphcomp_frame0_bwd_04_cudagraphs"):
         assert name in heads, (name, heads)
     assert "torch.ops.aten.addmm.default" in p.stderr and '"f32[4, 37][37, 1]cpu"' in p.stderr  # strides, device
     assert "graphcomp frame 0 bwd:" in p.stderr  # graphcomp's own logs come along
