@@ -64,7 +64,9 @@ class Config:
     bucket holds more gathered parameters earlier (memory, and a later first use),
     while a larger reduce-scatter bucket only holds one packed send buffer a little
     longer and issues fewer, larger collectives. Must be >= 0; 0 disables
-    reduce-scatter bucketing only."""
+    reduce-scatter bucketing only. W2 on 2 H200s: 256 MiB was 2.3 ms per step faster
+    before ``defer_weight_grads``, 0.2-0.5 ms with it (within the noise), so the
+    default stays ``None``."""
 
     reshard_after_forward: bool | Literal["auto", "except_last"] = "auto"
     """Pass ``schedule_free``: whether a gathered parameter is released after its
