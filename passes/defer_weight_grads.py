@@ -147,9 +147,20 @@ def plan(gm: fx.GraphModule) -> tuple[fx.Node | None, list[fx.Node], float, floa
 
 
 def _reorder(gm: fx.GraphModule, rs: fx.Node, moved: list[fx.Node]) -> None:
-    """Put ``moved`` (in their order) right after ``rs``'s wait, or after ``rs``."""
+    """Put ``moved`` (in their order) right after ``rs``'s wait: no other collective is
+    issued while ``rs`` is waited in place (gloo graphs, which ``schedule_prefetch``
+    leaves so); right after ``rs`` instead when a node between the two reads a moved
+    one."""
     wait = gu.single_wait(rs)
-    anchor = wait if wait is not None and all(a not in moved for a in wait.all_input_nodes) else rs
+    anchor = rs
+    if wait is not None:
+        taken = set(moved)
+        between, n = [], rs.next
+        while n is not wait and n.op != "output":
+            between.append(n)
+            n = n.next
+        if n is wait and not any(a in taken for b in between for a in b.all_input_nodes):
+            anchor = wait
     for n in moved:
         anchor.append(n)
         anchor = n

@@ -141,3 +141,23 @@ def test_an_infeasible_budget_keeps_a_move_that_does_not_raise_the_estimate(monk
     gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")
     o = _order(gm)
     assert not rec.reason and o[first_dw] > o[last]
+
+
+def test_moved_nodes_go_after_the_wait_unless_a_node_between_reads_them():
+    f, args = _backward()
+    gm = trace(f, *args)
+    last = _rss(gm)[-1]
+    wait = next(iter(last.users))
+    gm, _ = run_pass("defer_weight_grads", gm, stage="bwd")
+    assert wait.next.target is aten.t.default or wait.next.target is aten.mm.default  # moved compute after the wait
+
+    gm = trace(f, *args)
+    last, dw2 = _rss(gm)[-1], _mms(gm)[-2]
+    wait = next(iter(last.users))
+    with gm.graph.inserting_after(last):  # a reader of a moved node between the collective and its wait
+        reader = gm.graph.call_function(aten.mul.Tensor, (dw2, 2))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.args = ((*out.args[0], reader),)
+    gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")  # lints: the order stays valid
+    o = _order(gm)
+    assert not rec.reason and o[last] < o[dw2] < o[reader] < o[wait]
