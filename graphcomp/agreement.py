@@ -250,14 +250,19 @@ def check_compiled(frame_id: int, stage: str, colls: list[dict[str, Any]], cfg: 
         log.debug("graphcomp: %s agrees across ranks on %d group(s)", what, len(todo))
 
 
-def agree_kept(group: str | None, function: str, digest: str, kept: list[int], n_groups: int, cfg: Any
-               ) -> list[int]:
+def agree_kept(group: str | None, function: str, digest: str, kept: list[int], n_groups: int, cfg: Any,
+               plan: str = "its keep plan (reshard_after_forward='auto')", counted: str = "gathers",
+               namespace: str = "keep", about: str | None = None) -> list[int]:
     """``reshard_after_forward="auto"`` at the first compile of a graph of
     ``function``: every member of ``group`` publishes the gather groups its own
     estimate keeps and all keep the intersection, so that ranks whose first inputs
     differ in shape (their estimates differ near the budget) issue the same gathers.
     Keeping fewer never breaks a rank's budget (the estimate only grows as gathers
     are kept).
+
+    ``plan``, ``counted``, ``namespace`` and ``about`` name another plan of the same shape (a set
+    of indices every rank must hold alike; ``defer_weight_grads`` agrees on a count as
+    ``range(k)``) in messages and store keys.
 
     Entries are numbered per function (the k-th graph of it this rank plans: the
     graphs of a function split at graph breaks come in the same order on every
@@ -276,14 +281,15 @@ def agree_kept(group: str | None, function: str, digest: str, kept: list[int], n
     if rank not in members:
         return kept
     epoch = SESSION.agree_seq.get("epoch", 0)
-    seq = f"keep:{epoch}:{group}:{function}"
+    seq = f"{namespace}:{epoch}:{group}:{function}"
     n = SESSION.agree_seq.get(seq, 0)  # (graphcomp.reset() forgets the plans, not the store)
     SESSION.agree_seq[seq] = n + 1
-    base = f"graphcomp/keep/{epoch}/{group}/{function}/{n}"
-    what = f"graph #{n} of function {function} (its gathers: {digest})"
-    mine = {"kind": "its keep plan (reshard_after_forward='auto')", "what": what, "digest": digest,
+    base = f"graphcomp/{namespace}/{epoch}/{group}/{function}/{n}"
+    what = f"graph #{n} of function {function} (its {counted}: {digest})"
+    mine = {"kind": plan, "what": what, "digest": digest,
             "kept": kept, "rows": [],
-            "about": f"This rank (rank {rank}) keeps {len(kept)} of its {n_groups} gathers for the backward."}
+            "about": f"This rank (rank {rank}) " + (about or f"keeps {len(kept)} of its {n_groups} gathers for "
+                                                              "the backward.")}
     store.set(f"{base}/{rank}", json.dumps(mine))
     out = set(kept)
     for r in members:

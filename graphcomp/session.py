@@ -123,6 +123,9 @@ class Session:
         # ... and the plan itself, per (function, digest of its gathers' sizes): the kept
         # group indices, decided at its first compile and reused by recompiles
         self.keep_plans: dict[Any, frozenset[int]] = {}
+        # defer_weight_grads: per (function, digest of its reduce-scatters' sizes), how many
+        # reduce-scatters the last one is moved ahead of, agreed at its first compile
+        self.defer_plans: dict[Any, int] = {}
         # where the backend writes its dumps (Config.dump_dir, rank): graphcomp.runtime's
         # teardown writes the run-time record (captured steps, counters) there too
         self.dump_target: tuple[str, int] | None = None
@@ -144,6 +147,7 @@ class Session:
         self.shape_following_code.clear()
         self.kept_gather_bytes.clear()
         self.keep_plans.clear()
+        self.defer_plans.clear()
         self.dump_target = None
 
 

@@ -66,7 +66,9 @@ def test_weight_gradients_before_the_table_gradient_move_after_its_reduce_scatte
     assert all(o[dx] < o[last] for dx in dxs)  # the data-gradient chain feeds the table gradient
     rss = _rss(gm)
     assert rss[-1] is not last and rss[0] is not last and o[rss[0]] < o[last]  # block 2's and 1's RS moved with them
-    assert rec.counts["weight_grad_nodes_deferred"] == 7  # 2 x (dW, its reduce-scatter, its wait) + the last dW's transpose
+    # 2 x (dW's transpose, dW, its reduce-scatter, its wait): whole units, ending right after block 0's
+    # reduce-scatter (its wait, read after it, stays with it)
+    assert rec.counts["weight_grad_nodes_deferred"] == 8 and rec.counts["reduce_scatters_deferred"] == 2
     assert not rec.reason
 
 
@@ -78,7 +80,7 @@ def test_more_bandwidth_moves_less(monkeypatch):
     gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")
     o = _order(gm)
     assert o[dws[2]] > o[last] and o[dws[1]] < o[last]  # one dW is enough
-    assert rec.counts["weight_grad_nodes_deferred"] == 3
+    assert rec.counts["weight_grad_nodes_deferred"] == 4 and rec.counts["reduce_scatters_deferred"] == 1
 
 
 def test_the_cut_stops_at_a_mutation():
@@ -161,3 +163,51 @@ def test_moved_nodes_go_after_the_wait_unless_a_node_between_reads_them():
     gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")  # lints: the order stays valid
     o = _order(gm)
     assert not rec.reason and o[last] < o[dw2] < o[reader] < o[wait]
+
+
+def test_symbolic_sizes_are_modelled_at_their_hints():
+    """As the memory model does: a graph traced with symbolic sizes is planned at the
+    sizes it was traced for (the plan a Dynamo frame then shares is a count, ``k``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    f, args = _backward()
+    gm = make_fx(f, tracing_mode="symbolic")(*args)
+    gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")
+    assert not rec.reason and rec.counts["reduce_scatters_deferred"] == 2
+
+
+@pytest.fixture
+def fresh_session():
+    import graphcomp
+
+    graphcomp.reset()
+    yield
+    graphcomp.reset()
+
+
+def test_a_functions_first_plan_is_reused_by_its_recompiles(fresh_session):
+    """A Dynamo frame's backward recompiled for other shapes (fewer tokens: its compute
+    model alone would move more) moves as many reduce-scatters as its first compile, so a
+    rank recompiling alone issues them in its peers' order."""
+    f, args = _backward()
+    gm, rec = run_pass("defer_weight_grads", trace(f, *args), stage="bwd", code_id=7)
+    assert rec.counts["reduce_scatters_deferred"] == 2
+    f2, args2 = _backward(tokens=8192)
+    _, rec_alone = run_pass("defer_weight_grads", trace(f2, *args2), stage="bwd")
+    assert rec_alone.counts["reduce_scatters_deferred"] == 3  # its own model: one more unit
+    gm2, rec2 = run_pass("defer_weight_grads", trace(f2, *args2), stage="bwd", code_id=7)
+    assert rec2.counts["reduce_scatters_deferred"] == 2 and any("reused" in n for n in rec2.notes)
+
+
+def test_ranks_move_the_fewest_any_rank_planned(fresh_session, monkeypatch):
+    seen = {}
+
+    def agree(group, function, digest, kept, n, cfg, **kw):
+        seen.update(kept=kept, n=n, namespace=kw.get("namespace"))
+        return [0]  # a peer's model moved one
+
+    monkeypatch.setattr(dwg.agreement, "agree_kept", agree)
+    f, args = _backward()
+    gm, rec = run_pass("defer_weight_grads", trace(f, *args), stage="bwd", code_id=8)
+    assert seen == {"kept": [0, 1], "n": 3, "namespace": "defer"}
+    assert rec.counts["reduce_scatters_deferred"] == 1 and any("every rank's 1" in n for n in rec.notes)
