@@ -15,6 +15,8 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
 * ``shape_following_code`` -- Dynamo ids of functions compiled with dynamic shapes;
 * ``kept_gather_bytes``, ``keep_plans`` -- gathered bytes each compiled function keeps
   for its backward, and which (``schedule_free``'s ``reshard_after_forward="auto"``);
+* ``defer_plans`` -- how many reduce-scatters ``defer_weight_grads`` moves in each
+  function's backward (agreed at its first compile, reused by its recompiles);
 * ``agree_seq`` -- rank-agreement numbering (``graphcomp.agreement``; kept by ``reset()``);
 * ``runtime`` -- the CUDA-graph runtime (``graphcomp.runtime.manager.Runtime``: pool,
   capture stream, runners, ledger). The runtime package creates it and attaches it here
