@@ -225,8 +225,8 @@ def _plan_key(ctx: PassContext, gm: fx.GraphModule) -> tuple:
     return (ctx.frame.code_id if ctx.frame.code_id is not None else f"frame {ctx.frame_id}", digest)
 
 
-def _agreed_k(ctx: PassContext, gm: fx.GraphModule, p: DeferPlan) -> tuple[int | None, str]:
-    """The ``k`` this graph must use (None: its own plan), and a note. A function's first
+def _agreed_k(ctx: PassContext, gm: fx.GraphModule, p: DeferPlan) -> tuple[int, str]:
+    """The ``k`` this graph must use, and a note ("" when it is this rank's own). A function's first
     compile agrees with its peers (the smallest ``k`` of all ranks: ranks whose first
     inputs differ in shape model different compute) and records it; its recompiles
     reuse it, so a rank recompiling alone for a new shape issues its reduce-scatters
