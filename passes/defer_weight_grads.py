@@ -76,12 +76,12 @@ def compute_seconds(node: fx.Node) -> float:
     return recompute_seconds(node)[0]
 
 
+def _is_rs(n: fx.Node) -> bool:
+    return gu.is_target(n, c10d.reduce_scatter_tensor.default) and not gu.is_foreign_collective(n)
+
+
 def _last_reduce_scatter(gm: fx.GraphModule) -> fx.Node | None:
-    last = None
-    for n in gm.graph.nodes:
-        if gu.is_target(n, c10d.reduce_scatter_tensor.default) and not gu.is_foreign_collective(n):
-            last = n
-    return last
+    return next((n for n in reversed(gm.graph.nodes) if _is_rs(n)), None)
 
 
 def collective_seconds(in_bytes: int, world: int) -> float:
@@ -136,10 +136,6 @@ class DeferPlan:
     n_rs: int = 0
     why: str = ""
     structural: bool = False  # nothing to plan whatever the shapes (no agreement needed)
-
-
-def _is_rs(n: fx.Node) -> bool:
-    return gu.is_target(n, c10d.reduce_scatter_tensor.default) and not gu.is_foreign_collective(n)
 
 
 def plan(gm: fx.GraphModule, k: int | None = None) -> DeferPlan:
@@ -290,7 +286,5 @@ def defer_weight_grads(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _restore(gm: fx.GraphModule, original: list[fx.Node]) -> None:
-    anchor = original[0]
-    for n in original[1:]:
-        anchor.append(n)
-        anchor = n
+    """Put ``original`` (a topological order of the same nodes) back."""
+    gu.priority_topo_sort(gm, {n: i for i, n in enumerate(original)})

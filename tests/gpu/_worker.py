@@ -227,6 +227,16 @@ def scenario_memory(out):
     return res
 
 
+def _loss_max_rel(losses, ref):
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
+
+
+def _param_max_rel(params, ref):
+    """Largest difference of any parameter, relative to that parameter's largest element."""
+    return max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+               for a, b in zip(params, ref))
+
+
 def scenario_regions(out):
     base = {"codegen": "inductor", "region_min_nodes": 8, "prefetch_bytes": 2048, "bucket_bytes": 12288}
     graphcomp.reset()
@@ -235,17 +245,13 @@ def scenario_regions(out):
     whole = _train("tiny-deep", base, 10, 2, 32, set_to_none=True, checkpoint=True)
     graphcomp.reset()
     reg = _train("tiny-deep", {**base, "compile_regions": True}, 10, 2, 32, set_to_none=True, checkpoint=True)
-
-    def rel(a, b):
-        return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
-
     return {
         "counters": reg["counters"],
         "counters_whole": whole["counters"],
         "losses": reg["losses"],
         "losses_whole": whole["losses"],
-        "loss_max_rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(reg["losses"], whole["losses"])),
-        "param_max_rel": max(rel(a, b) for a, b in zip(reg["params"], whole["params"])),
+        "loss_max_rel": _loss_max_rel(reg["losses"], whole["losses"]),
+        "param_max_rel": _param_max_rel(reg["params"], whole["params"]),
     }
 
 
@@ -277,10 +283,8 @@ def scenario_defer(out):
         on, off = runs["on"], runs["off"]
         res[f"{codegen}_bitwise_losses"] = on["loss_bits"] == off["loss_bits"]
         res[f"{codegen}_bitwise_params"] = all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
-        res[f"{codegen}_loss_max_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(on["losses"], off["losses"]))
-        res[f"{codegen}_param_max_rel"] = max(
-            float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
-            for a, b in zip(on["params"], off["params"]))
+        res[f"{codegen}_loss_max_rel"] = _loss_max_rel(on["losses"], off["losses"])
+        res[f"{codegen}_param_max_rel"] = _param_max_rel(on["params"], off["params"])
         res[f"{codegen}_counters_on"], res[f"{codegen}_counters_off"] = on["counters"], off["counters"]
     return res
 
