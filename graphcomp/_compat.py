@@ -924,6 +924,18 @@ def group_ranks(group_name: str) -> list[int] | None:
         return None
 
 
+def group_backend(group_name: str) -> str | None:
+    """The backend name (``"nccl"``, ``"gloo"``, ...) of the process group registered
+    as ``group_name``, or None when this process cannot resolve it."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return str(dist.get_backend(c10d._resolve_process_group(group_name))).lower()
+    except Exception:  # noqa: BLE001 - a group of another process, destroyed, or a fake name
+        return None
+
+
 # ------------------------------------------------ fused optimizers' Meta kernels
 # torch (2.11, 2.13) has Meta kernels for `_fused_adam_` / `_fused_adamw_` with a float
 # lr only. A fused Adam/AdamW whose lr is a tensor (graphcomp's captured step makes it

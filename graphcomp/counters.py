@@ -46,6 +46,9 @@ class Counters(Mapping):
     grad_upcasts_fused: int = 0
     """Gradient upcasts (bf16 -> fp32 before the reduce-scatter) fused into the matmul that
     makes the gradient, which then writes fp32 (fuse_grad_upcast, CUDA)."""
+    reduce_scatters_averaged: int = 0
+    """Gradient reduce-scatters that average in the collective (NCCL ``avg``) instead of a
+    sum and a division kernel after it (avg_reduce_scatter; power-of-two NCCL groups)."""
     collective_buckets: int = 0
     """Flat buckets made by bucket_collectives (all-gather and reduce-scatter)."""
     gathers_resharded: int = 0

@@ -48,6 +48,7 @@ PASS_ORDER: tuple[str, ...] = (
     "chunk_lm_loss",            # dynamo: linear + cross-entropy -> chunked op
     "fuse_allgather_downcast",  # joint: cast shards before gathering
     "fuse_grad_upcast",         # joint: weight-gradient matmuls write fp32 (CUDA)
+    "avg_reduce_scatter",       # joint: the gradient average inside the reduce-scatter (NCCL)
     "bucket_collectives",       # joint: pack gathers / reduce-scatters into buckets
     "remat",                    # joint: recompute activations to fit memory_budget (tags)
     "schedule_free",            # joint: reshard after forward, keep gathers in the room remat left (tags)

@@ -52,14 +52,14 @@ class _Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
 
 
-def _model(preset: str, seed: int = 0, checkpoint: bool = False) -> torch.nn.Module:
+def _model(preset: str, seed: int = 0, checkpoint: bool = False, param_dtype=None) -> torch.nn.Module:
     torch.manual_seed(seed)
     m = Llama(preset).cuda()
     m.reset_parameters(seed=seed)
     if checkpoint:
         for i, blk in enumerate(list(m.layers)):
             m.layers[i] = _Checkpointed(blk)
-    graphcomp.shard(m)
+    graphcomp.shard(m, **({} if param_dtype is None else {"param_dtype": param_dtype}))
     return m
 
 
@@ -72,11 +72,11 @@ def _pool_reserved() -> int:
 
 
 def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_to_none=None, fused_adam=False,
-           checkpoint=False):
+           checkpoint=False, param_dtype=None):
     """``set_to_none``: zero_grad's argument every step (None: alternate True/False);
     ``checkpoint``: every block under ``torch.utils.checkpoint``."""
     torch._dynamo.reset()
-    m = _model(preset, checkpoint=checkpoint)
+    m = _model(preset, checkpoint=checkpoint, param_dtype=param_dtype)
     cm = torch.compile(m, backend="graphcomp", options=options)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, **({"fused": True} if fused_adam else {}))
     rank = dist.get_rank()
@@ -289,6 +289,31 @@ def scenario_defer(out):
     return res
 
 
+def scenario_avg(out):
+    """avg_reduce_scatter on NCCL with CUDA graphs (world 2): the sharded tiny Llama, bf16
+    gathers and fp32 gradients as W2, 10 AdamW steps with the pass on and off, eager
+    codegen and Inductor: the averaging reduce-scatter is bitwise the sum divided by 2,
+    so losses and parameters are bitwise equal in both codegens."""
+    base = {"prefetch_bytes": 2048, "bucket_bytes": 12288}
+    res = {}
+    for codegen in ("eager", "inductor"):
+        runs = {}
+        for name in ("off", "on"):
+            graphcomp.reset()
+            opts = {**base, "codegen": codegen}
+            if name == "off":
+                opts["passes"] = {"avg_reduce_scatter": False}
+            runs[name] = _train("tiny", opts, 10, 2, 32, set_to_none=True, param_dtype=torch.bfloat16)
+            graphcomp.runtime.teardown()
+        on, off = runs["on"], runs["off"]
+        res[f"{codegen}_bitwise_losses"] = on["loss_bits"] == off["loss_bits"]
+        res[f"{codegen}_bitwise_params"] = all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+        res[f"{codegen}_loss_max_rel"] = _loss_max_rel(on["losses"], off["losses"])
+        res[f"{codegen}_param_max_rel"] = _param_max_rel(on["params"], off["params"])
+        res[f"{codegen}_counters_on"], res[f"{codegen}_counters_off"] = on["counters"], off["counters"]
+    return res
+
+
 def scenario_exit(out):
     graphcomp.reset()
     r = _train("tiny", {"codegen": "eager", "cudagraphs": "auto"}, 3, 2, 32)
@@ -301,11 +326,11 @@ def main():
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     res = {"train": scenario_train, "memory": scenario_memory, "regions": scenario_regions,
-           "defer": scenario_defer, "exit": scenario_exit}[scenario](outdir)
+           "defer": scenario_defer, "avg": scenario_avg, "exit": scenario_exit}[scenario](outdir)
     res["world"] = dist.get_world_size()
     with open(os.path.join(outdir, f"{scenario}.rank{rank}.json"), "w") as f:
         json.dump(res, f, default=str)
-    if scenario in ("train", "memory", "regions", "defer"):
+    if scenario in ("train", "memory", "regions", "defer", "avg"):
         graphcomp.runtime.teardown()  # always before destroy_process_group
     dist.destroy_process_group()  # "exit": graphs still alive here; the wrapped destroy releases them
 

@@ -308,6 +308,31 @@ def test_defer_weight_grads_bitwise_on_nccl_with_cuda_graphs(nproc, tmp_path):
 
 
 @pytest.mark.parametrize("nproc", [2])
+def test_avg_reduce_scatter_bitwise_on_nccl(nproc, tmp_path):
+    """``avg_reduce_scatter`` on 2 GPUs (NCCL ``avg`` pre-scales by 1/2, exact): the
+    sharded tiny Llama with bf16 gathers and fp32 gradients, CUDA graphs on, 10 AdamW
+    steps with the pass on and off, eager codegen and Inductor: losses and parameters
+    bitwise equal; the pass averaged reduce-scatters (none when off); captured, no
+    fallback."""
+    if _ngpu() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    results = _torchrun(nproc, "avg", tmp_path, timeout=300)
+    for r in results:
+        checks = {}
+        for cg in ("eager", "inductor"):
+            on, off = r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]
+            checks.update({
+                f"{cg}: losses bitwise": r[f"{cg}_bitwise_losses"],
+                f"{cg}: params bitwise": r[f"{cg}_bitwise_params"],
+                f"{cg}: reduce-scatters averaged": on.get("reduce_scatters_averaged", 0) >= 2,
+                f"{cg}: pass off averages none": off.get("reduce_scatters_averaged", 0) == 0,
+                f"{cg}: captured, no fallback": on.get("captures", 0) >= 2 and on.get("cudagraph_fallbacks", 0) == 0,
+            })
+        failed = [k for k, ok in checks.items() if not ok]
+        assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k})
+
+
+@pytest.mark.parametrize("nproc", [2])
 def test_compile_regions_reuse_regions_and_match_whole_graphs(nproc, tmp_path):
     """``compile_regions`` on NCCL with CUDA graphs: the tiny-deep Llama with every
     block checkpointed (as W3: on CUDA each block's attention then takes its RNG state
