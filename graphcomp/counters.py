@@ -45,7 +45,8 @@ class Counters(Mapping):
     """Parameter all-gathers whose downcast moved onto the shard (fuse_allgather_downcast)."""
     grad_upcasts_fused: int = 0
     """Gradient upcasts (bf16 -> fp32 before the reduce-scatter) fused into the matmul that
-    makes the gradient, which then writes fp32 (fuse_grad_upcast, CUDA)."""
+    makes the gradient, which then writes fp32, or into an embedding's table gradient,
+    then computed from the fp32 output gradient (fuse_grad_upcast, CUDA)."""
     reduce_scatters_averaged: int = 0
     """Gradient reduce-scatters that average in the collective (NCCL ``avg``) instead of a
     sum and a division kernel after it (avg_reduce_scatter; power-of-two NCCL groups)."""

@@ -105,6 +105,8 @@ def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_t
                 ls.append(cm(tok, tgt))
             loss = sum(ls)
             loss.backward()
+        if step == 0:
+            first_grads = [None if p.grad is None else p.grad.detach().clone() for p in m.parameters()]
         opt.step()
         opt.zero_grad(set_to_none=(step % 2 == 0) if set_to_none is None else set_to_none)
         losses.append(loss.detach())  # read only at the end: step N after step N+1
@@ -125,6 +127,7 @@ def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_t
         "seconds": time.perf_counter() - t0,
         "pool_reserved": _pool_reserved(),
         "params": params,
+        "first_grads": first_grads,  # after the first backward, before the optimizer step
         "counters": {k: v for k, v in graphcomp.counters.items() if not k.startswith("bytes")},
     }
 
@@ -310,6 +313,8 @@ def scenario_avg(out):
         res[f"{codegen}_bitwise_params"] = all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
         res[f"{codegen}_loss_max_rel"] = _loss_max_rel(on["losses"], off["losses"])
         res[f"{codegen}_param_max_rel"] = _param_max_rel(on["params"], off["params"])
+        res[f"{codegen}_grad_max_rel"] = _param_max_rel(on["first_grads"], off["first_grads"])
+        res[f"{codegen}_bitwise_grads"] = all(torch.equal(a, b) for a, b in zip(on["first_grads"], off["first_grads"]))
         res[f"{codegen}_counters_on"], res[f"{codegen}_counters_off"] = on["counters"], off["counters"]
     return res
 

@@ -311,9 +311,13 @@ def test_defer_weight_grads_bitwise_on_nccl_with_cuda_graphs(nproc, tmp_path):
 def test_avg_reduce_scatter_bitwise_on_nccl(nproc, tmp_path):
     """``avg_reduce_scatter`` on 2 GPUs (NCCL ``avg`` pre-scales by 1/2, exact): the
     sharded tiny Llama with bf16 gathers and fp32 gradients, CUDA graphs on, 10 AdamW
-    steps with the pass on and off, eager codegen and Inductor: losses and parameters
-    bitwise equal; the pass averaged reduce-scatters (none when off); captured, no
-    fallback."""
+    steps with the pass on and off. Eager codegen: first-step gradients, losses and
+    parameters bitwise equal. Inductor (which fuses the graph without the division
+    differently): first-step gradients within 1e-5 of each gradient's largest element,
+    losses within 1e-4, parameters within 1e-2 of the largest (2×H200 at 9d5d7a6: losses
+    3.3e-5, parameters 4.0e-3: AdamW moves an element whose gradient is rounding noise by
+    up to lr = 1e-3 per step). The pass averaged reduce-scatters (none when off);
+    captured, no fallback."""
     if _ngpu() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
     results = _torchrun(nproc, "avg", tmp_path, timeout=300)
@@ -321,9 +325,15 @@ def test_avg_reduce_scatter_bitwise_on_nccl(nproc, tmp_path):
         checks = {}
         for cg in ("eager", "inductor"):
             on, off = r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]
+            if cg == "eager":
+                checks.update({"eager: first-step gradients bitwise": r["eager_bitwise_grads"],
+                               "eager: losses bitwise": r["eager_bitwise_losses"],
+                               "eager: params bitwise": r["eager_bitwise_params"]})
+            else:
+                checks.update({"inductor: first-step gradients within 1e-5": r["inductor_grad_max_rel"] <= 1e-5,
+                               "inductor: losses within 1e-4": r["inductor_loss_max_rel"] <= 1e-4,
+                               "inductor: params within 1e-2": r["inductor_param_max_rel"] <= 1e-2})
             checks.update({
-                f"{cg}: losses bitwise": r[f"{cg}_bitwise_losses"],
-                f"{cg}: params bitwise": r[f"{cg}_bitwise_params"],
                 f"{cg}: reduce-scatters averaged": on.get("reduce_scatters_averaged", 0) >= 2,
                 f"{cg}: pass off averages none": off.get("reduce_scatters_averaged", 0) == 0,
                 f"{cg}: captured, no fallback": on.get("captures", 0) >= 2 and on.get("cudagraph_fallbacks", 0) == 0,

@@ -50,3 +50,30 @@ def test_fused_gradient_is_the_fp32_product(world1):
     # the unfused gradient is the fused one rounded to bf16 (same cuBLAS accumulation)
     same = (new.to(torch.bfloat16).float() == old).float().mean().item()
     assert same > 0.99, same
+
+
+def test_embedding_gradient_is_the_unrounded_fp32_sum(world1):
+    """The table gradient of a bf16 embedding lookup (W2's vocabulary and token count
+    scaled down) through the pass: computed from the fp32 output gradient, it is the
+    unrewritten graph's fp32 sums before their bf16 rounding, so the unrewritten result
+    is its bf16 rounding bitwise, and it is closer to the exact (fp64) sums."""
+    group = world1.group_name
+
+    def f(go, idx):
+        w = torch.ops.aten.embedding_dense_backward(go, idx, 32000, -1, False).to(torch.float32)
+        return [c10d.wait_tensor(c10d.reduce_scatter_tensor(w, "sum", 1, group))]
+
+    torch.manual_seed(0)
+    go = torch.randn(4, 2048, 512, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, 32000, (4, 2048), device="cuda")
+    plain = make_fx(f, tracing_mode="fake")(go, idx)
+    fused, rec = _run_pass(make_fx(f, tracing_mode="fake")(go, idx))
+    embs = [n for n in fused.graph.nodes if n.target is torch.ops.aten.embedding_dense_backward.default]
+    assert len(embs) == 1 and embs[0].meta["val"].dtype == torch.float32, fused.code
+    new, old = fused(go, idx)[0], plain(go, idx)[0]
+    exact = torch.zeros(32000, 512, dtype=torch.float64, device="cuda").index_add_(
+        0, idx.flatten(), go.double().view(-1, 512))
+    err_new, err_old = (new.double() - exact).abs().max().item(), (old.double() - exact).abs().max().item()
+    print(f"EMBEDDING_GRAD max error vs fp64: fused {err_new:.3e}, unfused {err_old:.3e}")
+    assert torch.equal(new.bfloat16().float(), old), "the unfused gradient is not the fused one's bf16 rounding"
+    assert err_new < err_old / 10
