@@ -99,16 +99,42 @@ def standard_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.de
         opt.step()
 
     run_update = update if update is not None else eager_update
+    phases = _phase_peak_steps(device)
+    calls = [0]
+
+    def mark(what: str) -> None:
+        """``BENCH_PHASE_PEAKS=N``: after each phase of the first N steps, print the
+        running peak of allocated memory (a device sync each): the phase where it
+        rises is where the run's peak is set (steps after the captures allocate
+        nothing). The run's own peak is unaffected (nothing is reset)."""
+        if calls[0] <= phases:
+            torch.cuda.synchronize(device)
+            print(f"[bench] phase-peak step {calls[0]} {what}: peak {torch.cuda.max_memory_allocated(device) / 2**30:.3f} "
+                  f"GiB, now {torch.cuda.memory_allocated(device) / 2**30:.3f} GiB", flush=True)
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
         with torch.autocast(device.type, dtype=BF16, enabled=autocast):
             loss = model(tokens, targets)
+        mark("forward")
         loss.backward()
+        mark("backward")
         run_update()
+        mark("optimizer")
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
     return step
+
+
+def _phase_peak_steps(device: torch.device) -> int:
+    """How many first steps ``BENCH_PHASE_PEAKS`` asks to trace (0: none; CUDA only)."""
+    import os
+
+    n = os.environ.get("BENCH_PHASE_PEAKS", "0")
+    if not n.isdigit():
+        raise ValueError(f"BENCH_PHASE_PEAKS must be a number of steps (0 or more), got {n!r}")
+    return int(n) if device.type == "cuda" else 0
 
 
 # --------------------------------------------------------------------------- tensor parallel

@@ -924,6 +924,36 @@ def group_ranks(group_name: str) -> list[int] | None:
         return None
 
 
+def cuda_event(external: bool = False) -> Any:
+    """``torch.cuda.Event(external=...)``; where this torch has no ``external`` flag, a
+    plain event (inside a capture it then orders the graph's own streams only, and a
+    wait outside the graph does not see it: callers record a plain event after the
+    replay instead, see ``supports_external_events``)."""
+    if external and supports_external_events():
+        return torch.cuda.Event(external=True)
+    return torch.cuda.Event()
+
+
+def supports_external_events() -> bool:
+    """Whether ``torch.cuda.Event`` takes ``external=True`` (event record nodes in graphs)."""
+    import inspect
+
+    try:
+        return "external" in inspect.signature(torch.cuda.Event.__new__).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+def custom_op_tags(*tags: Any) -> dict[str, Any]:
+    """``tags=`` for ``torch.library.custom_op`` where this torch takes it (and has
+    every tag), else nothing."""
+    import inspect
+
+    if not all(t is not None for t in tags) or "tags" not in inspect.signature(torch.library.custom_op).parameters:
+        return {}
+    return {"tags": tags}
+
+
 def group_backend(group_name: str) -> str | None:
     """The backend name (``"nccl"``, ``"gloo"``, ...) of the process group registered
     as ``group_name``, or None when this process cannot resolve it."""

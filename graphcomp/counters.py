@@ -47,6 +47,18 @@ class Counters(Mapping):
     """Gradient upcasts (bf16 -> fp32 before the reduce-scatter) fused into the matmul that
     makes the gradient, which then writes fp32, or into an embedding's table gradient,
     then computed from the fp32 output gradient (fuse_grad_upcast, CUDA)."""
+    gathers_prefetched_across_steps: int = 0
+    """Forward gathers the prefetch_across_steps pass let the previous optimizer step issue
+    (graph rewrites: each becomes ``graphcomp::prefetched_gather``)."""
+    prefetches_issued: int = 0
+    """Gathers an optimizer step (graphcomp.optim.capture) issued for the next forward."""
+    prefetches_taken: int = 0
+    """Prefetched gathers a forward used."""
+    prefetch_misses: int = 0
+    """Forward gathers that found no prefetch (first step, no optimizer step since) and gathered."""
+    prefetches_discarded: int = 0
+    """Prefetched gathers not used (the shard written since, never taken before the next
+    step's, a whole step being captured); the forward gathered instead."""
     reduce_scatters_averaged: int = 0
     """Gradient reduce-scatters that average in the collective (NCCL ``avg``) instead of a
     sum and a division kernel after it (avg_reduce_scatter; power-of-two NCCL groups)."""

@@ -21,6 +21,7 @@ COLLECTIVE_OPS = {
     "all_reduce_coalesced": "all_reduce",
     "all_to_all_single": "all_to_all",
     "broadcast": "broadcast",
+    "prefetched_gather": "all_gather",  # graphcomp::, waits for itself (graphcomp.prefetch)
 }
 
 

@@ -54,6 +54,7 @@ PASS_ORDER: tuple[str, ...] = (
     "schedule_free",            # joint: reshard after forward, keep gathers in the room remat left (tags)
     "defer_weight_grads",       # bwd: the last reduce-scatter's inputs first, weight gradients after it
     "schedule_prefetch",        # fwd, bwd: move gathers early, waits late
+    "prefetch_across_steps",    # fwd: the table gather taken from the previous optimizer step
     "zero_copy_buckets",        # fwd, bwd: buckets as grouped collectives (no copy-out, no pack)
     "partition_graph",          # fwd, bwd: cut where CUDA graphs cannot go
     "cudagraphs",               # fwd, bwd: plan a runner per capturable piece (last)

@@ -38,8 +38,12 @@ class SplitReason:
 
 REASON_KINDS = (
     "cpu", "host_sync", "data_dependent", "device_copy", "cudagraph_unsafe", "unbacked_shape",
-    "user_split_op", "rng", "collective_pair", "too_small",
+    "user_split_op", "rng", "collective_pair", "too_small", "prefetched",
 )
+
+# node.meta key: a pass asks partition_graph to run this node eagerly (the value says
+# why; SplitReason kind "prefetched": prefetch_across_steps' gather and its lookups)
+EAGER_META = "graphcomp_eager"
 
 
 @dataclass(frozen=True)

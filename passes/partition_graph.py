@@ -17,6 +17,9 @@ why (a frozen :class:`SplitReason` per cut node)::
                       RNG state get/set)
     collective_pair   a collective and its wait would land in different pieces
     too_small         a capturable run shorter than ``Config.min_piece_nodes``
+    prefetched        a node a pass marked eager (``node.meta["graphcomp_eager"]``):
+                      ``prefetch_across_steps``' gather, which decides on the host,
+                      and the table lookups that read it
 
 With ``Config.compile_regions`` (Inductor codegen) the pieces are divided into
 *regions* (:func:`region_cuts`): after a collective's wait, at a point where no
@@ -59,7 +62,7 @@ import torch.fx as fx
 
 from graphcomp import _compat, graph_utils
 from graphcomp.pipeline import PassContext, PassResult, register_pass
-from graphcomp.plan import REASON_KINDS, Piece, SplitPlan, SplitReason  # noqa: F401 (REASON_KINDS, SplitReason: re-exported)
+from graphcomp.plan import EAGER_META, REASON_KINDS, Piece, SplitPlan, SplitReason  # noqa: F401 (REASON_KINDS, SplitReason: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,9 @@ def uncapturable_reason(node: fx.Node, split_ops: Sequence[str] = ()) -> SplitRe
     name = node.name
     opn = graph_utils.op_name(node)
     target = node.target
+    asked = node.meta.get(EAGER_META)
+    if asked:
+        return SplitReason(name, "prefetched", f"{opn}: {asked}")
     hit = _matches_split_op(node, split_ops)
     if hit is not None:
         return SplitReason(name, "user_split_op", f"{opn} matches Config.split_ops entry {hit!r}")

@@ -107,6 +107,7 @@ def capture(
     check_static_inputs: str = "first",
     max_recaptures: int = 8,
     fold_clip: bool = False,
+    prefetch: bool = True,
 ) -> "CapturedStep":
     """Return a step callable: ``step() -> Tensor`` clips the gradients of
     ``optimizer``'s parameters by their global norm and runs ``optimizer.step()``,
@@ -134,6 +135,15 @@ def capture(
     is not (a scale of exactly 1). ``param.grad`` holds the clipped gradients after
     the step, as after ``clip_grad_norm_`` (the kernel stores them).
 
+    ``prefetch``: issue the next forward's input-embedding table gather during this
+    step (cross-step prefetch, ``graphcomp/prefetch.py``): the step updates the
+    shards whose gathers the compiled forwards take from it (the
+    ``prefetch_across_steps`` pass rewrites them while such a step exists) first,
+    then the others while those gathers run; the forward then finds its table
+    gathered. Each parameter's update is unchanged (two ``opt.step()`` calls over
+    disjoint parameters; none when the optimizer has step hooks). False: no prefetch,
+    and the forwards compiled afterwards gather as before.
+
     The call returns the global norm as a new 0-dim tensor (a plain tensor, the same
     value on every rank) on the parameters' device."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -156,6 +166,8 @@ def capture(
         raise ValueError(f"graphcomp.optim.capture: check_static_inputs must be 'first' or 'always', got {check_static_inputs!r}")
     if isinstance(max_recaptures, bool) or not isinstance(max_recaptures, int) or max_recaptures < 0:
         raise ValueError(f"graphcomp.optim.capture: max_recaptures must be an int >= 0, got {max_recaptures!r}")
+    if not isinstance(prefetch, bool):
+        raise ValueError(f"graphcomp.optim.capture: prefetch must be True or False, got {prefetch!r}")
     if not isinstance(fold_clip, bool):
         raise ValueError(f"graphcomp.optim.capture: fold_clip must be True or False, got {fold_clip!r}")
     if fold_clip:
@@ -168,4 +180,4 @@ def capture(
     return CapturedStep(optimizer, max_norm=None if max_norm is None else float(max_norm), norm_type=float(norm_type),
                         error_if_nonfinite=error_if_nonfinite, skip_nonfinite=skip_nonfinite, foreach=foreach,
                         cudagraphs=cudagraphs, check_always=check_static_inputs == "always", max_recaptures=max_recaptures,
-                        fold_clip=fold_clip)
+                        fold_clip=fold_clip, prefetch=prefetch)

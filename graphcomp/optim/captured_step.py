@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..prefetch import PREFETCH
 from ..runtime.manager import RUNTIME
 from ..session import SESSION
 
@@ -52,8 +53,12 @@ class CapturedStep:
 
     def __init__(self, opt: torch.optim.Optimizer, *, max_norm: float | None, norm_type: float, error_if_nonfinite: bool,
                  skip_nonfinite: bool, foreach: bool | None, cudagraphs: str, check_always: bool, max_recaptures: int,
-                 fold_clip: bool = False):
+                 fold_clip: bool = False, prefetch: bool = True):
         self.opt = opt
+        self.prefetch = prefetch
+        self._prefetch_event: Any = None  # marks "the prefetched shards are updated" on the device
+        self._marked = False  # this eager step (or the capture) recorded the mark
+        self._graph_marks: frozenset[int] = frozenset()  # ids of the shards a captured graph updates before its mark
         self.max_norm, self.norm_type, self.foreach = max_norm, norm_type, foreach
         self.fold_clip = fold_clip
         self.error_if_nonfinite, self.skip = error_if_nonfinite, skip_nonfinite or error_if_nonfinite
@@ -92,6 +97,8 @@ class CapturedStep:
         self._norm = self._finite = self._skipped = None
         self._state_obj: Any = None
         self._groups_obj: Any = None
+        if prefetch:
+            PREFETCH.add_provider(self)
         if cudagraphs == "off":
             self._to_reference("cudagraphs='off'", warn=False)
         else:
@@ -264,14 +271,24 @@ class CapturedStep:
                 self._norm = torch.zeros((), dtype=local.dtype, device=local.device)
             self._norm.copy_(local)
 
+            phases = self._phases(self._step_params, total)
+
             def update() -> None:
-                self._clip_and_step(self._step_params, total)
+                for i, phase in enumerate(phases):
+                    if i:
+                        self._mark()
+                    phase()
 
             if self.skip:
                 self._finite.copy_(torch.isfinite(local))
                 self._skipped.add_(torch.logical_not(self._finite))
                 if self._capturing_into is not None and self.skip_by == "if_node":
-                    RUNTIME.device.run_if(self._capturing_into, self._finite, update)
+                    # one IF node per phase: the mark (an event record node) between them, in
+                    # the graph itself (a conditional body holds kernels only)
+                    for i, phase in enumerate(phases):
+                        if i:
+                            self._mark()
+                        RUNTIME.device.run_if(self._capturing_into, self._finite, phase)
                 elif self._capturing_into is not None:
                     # the fused kernel leaves parameters and state alone, and undoes its step
                     # count, where found_inf is 1 (the gradients are clipped by a non-finite
@@ -320,27 +337,98 @@ class CapturedStep:
         if self.skip and not bool(torch.isfinite(local)):
             SESSION.counters.add("optimizer_steps_skipped_nonfinite")
             return
-        self._clip_and_step(params, total)
+        for i, phase in enumerate(self._phases(params, total)):
+            if i:
+                self._mark()
+            phase()
 
-    def _clip_and_step(self, params: list[torch.Tensor], total: torch.Tensor) -> None:
+    def _phases(self, params: list[torch.Tensor], total: torch.Tensor) -> list[Any]:
+        """The update as callables run in order. With shards whose gathers the next
+        forward takes from :data:`graphcomp.prefetch.PREFETCH` among ``params``: clip,
+        step those shards; then (after the mark) step the rest. Otherwise one phase.
+        Each parameter's update is the one a single ``opt.step()`` makes (Adam, AdamW
+        and SGD update each parameter on its own)."""
+        early = self._early(params)
+        if not early:
+            return [lambda: self._clip_and_step(params, total)]
+        ids = {id(p) for p in early}
+        rest = [p for p in params if id(p) not in ids]
+        return [lambda: self._clip_and_step(params, total, only=early),
+                lambda: self._clip_and_step(params, total, only=rest, clipped=True)]
+
+    def _early(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The shards to update before the prefetch mark (none: no prefetch this step)."""
+        if not self.prefetch or self._inline_now or _compat.optimizer_step_hooks(self.opt):
+            return []  # (hooks would run once per phase)
+        early = PREFETCH.shards_for(params)
+        return early if len(early) < len(params) else []
+
+    def _mark(self) -> None:
+        """On the device, after the early phase: the prefetch may start (inside a capture
+        an external event record node, which a stream outside the graph can wait for)."""
+        dev = RUNTIME.device
+        self._marked = True
+        params = self._step_params or [p for g in self.opt.param_groups for p in g["params"]]
+        if not params or _compat.dtensor_local(params[0]).device.type != "cuda":
+            return  # (CPU: collectives and updates run in issue order; nothing to mark)
+        if self._prefetch_event is None:
+            self._prefetch_event = dev.new_event(external=True)
+        dev.record_event(self._prefetch_event)
+
+    def _issue_prefetch(self, params: list[torch.Tensor], captured: bool) -> None:
+        """After the step (host): launch the next forward's prefetched gathers; those
+        whose shards were updated before the mark wait for it only (they run beside
+        the rest of the step), any other after the whole step."""
+        if not self.prefetch or not PREFETCH.recipes:
+            return
+        if captured:
+            early = self._graph_marks if _compat.supports_external_events() else frozenset()
+        else:
+            early = frozenset(id(p) for p in self._early(params)) if self._marked else frozenset()
+        first = [p for p in params if id(p) in early]
+        if first:
+            PREFETCH.issue(first, after=self._prefetch_event)
+        PREFETCH.issue([p for p in params if id(p) not in early], after=None)
+        self._marked = False
+
+    def _clip_and_step(self, params: list[torch.Tensor], total: torch.Tensor,
+                       only: list[torch.Tensor] | None = None, clipped: bool = False) -> None:
         """``clip_grads_with_norm_`` + ``opt.step()``; with ``fold_clip`` the fused
         kernel divides each gradient by ``1 / clip coefficient`` (its ``grad_scale``,
         as for torch.amp's GradScaler) instead of a separate pass multiplying them:
         the same coefficient as ``clip_grads_with_norm_`` (``max_norm / (norm + 1e-6)``,
-        at most 1); the kernel stores the scaled gradients, as clipping leaves them."""
+        at most 1); the kernel stores the scaled gradients, as clipping leaves them.
+        ``only``: step just these parameters (clipping still covers ``params``, unless
+        ``clipped`` says an earlier phase did)."""
+        step = self.opt.step if only is None else (lambda: self._step_only(only))
         if self.max_norm is None:
-            self.opt.step()
+            step()
             return
         if not self.fold_clip:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total, self.foreach)
-            self.opt.step()
+            if not clipped:
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total, self.foreach)
+            step()
             return
         coef = torch.clamp(self.max_norm / (_compat.dtensor_local(total) + 1e-6), max=1.0)
         self.opt.grad_scale = torch.reciprocal(coef).to(torch.float32)
         try:
-            self.opt.step()
+            step()
         finally:
             del self.opt.grad_scale
+
+    def _step_only(self, params: list[torch.Tensor]) -> None:
+        """``opt.step()`` on ``params`` alone: every other parameter's gradient is
+        hidden (None, which the optimizer skips) for the call and put back after."""
+        keep = {id(p) for p in params}
+        hidden = [(p, p.grad) for g in self.opt.param_groups for p in g["params"]
+                  if id(p) not in keep and p.grad is not None]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            self.opt.step()
+        finally:
+            for p, gr in hidden:
+                p.grad = gr
 
     # ------------------------------------------------------------ capture
     def _local_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -394,6 +482,8 @@ class CapturedStep:
             self._capturing_into = None
         dev.wait(dev.current_stream(), stream)
         self._graph = g
+        self._graph_marks = frozenset(id(p) for p in self._early(with_grad)) if self._marked else frozenset()
+        self._marked = False
         self._grad_ptrs = self._grad_key(_compat.grads_of(self._params))
         self._static_ptrs = tuple(t.data_ptr() for t in self._static_tensors())
         self._replays_checked = 0
@@ -512,6 +602,7 @@ class CapturedStep:
             SESSION.counters.add("optimizer_grad_copy_bytes", sum(t.numel() * t.element_size() for t in src))
         self._graph.replay()
         SESSION.counters.add("optimizer_steps_captured")
+        self._issue_prefetch(self._with_grad, captured=True)
 
     @property
     def last_norm(self) -> torch.Tensor | None:
@@ -525,14 +616,18 @@ class CapturedStep:
         plan = self._plan()
         if plan == "reference":
             self._reference_step()
+            self._issue_prefetch([p for g in self.opt.param_groups for p in g["params"] if p.grad is not None],
+                                 captured=False)
             return self._norm.clone()
         if plan in ("warmup", "eager"):
             self._run_eager(warmup=plan == "warmup")
+            self._issue_prefetch(self._step_params, captured=False)
             self._raise_if_nonfinite()
             return self._norm.clone()
         if plan == "capture":
             if not self._capture(self._with_grad):
                 self._run_eager(warmup=False)
+                self._issue_prefetch(self._step_params, captured=False)
                 self._raise_if_nonfinite()
                 return self._norm.clone()
         self.replay()

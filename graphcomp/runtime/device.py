@@ -31,6 +31,19 @@ class CudaDevice:
     def stream(self, s: Any) -> Any:
         return torch.cuda.stream(s)
 
+    def new_event(self, external: bool = False) -> Any:
+        """A CUDA event; ``external``: recorded inside a capture it becomes an event
+        record node that work outside the graph can wait for (``cudaEventRecordExternal``)."""
+        from .. import _compat
+
+        return _compat.cuda_event(external=external)
+
+    def record_event(self, ev: Any) -> None:
+        ev.record(torch.cuda.current_stream())
+
+    def wait_event(self, waiter: Any, ev: Any) -> None:
+        waiter.wait_event(ev)
+
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 

@@ -121,6 +121,15 @@ class FakeDevice(manager.CudaDevice):
     def stream(self, s):
         return contextlib.nullcontext()
 
+    def new_event(self, external=False):
+        return object()
+
+    def record_event(self, ev):
+        pass
+
+    def wait_event(self, waiter, ev):
+        pass
+
     def new_graph(self):
         return FakeGraph(self)
 

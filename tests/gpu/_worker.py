@@ -72,13 +72,15 @@ def _pool_reserved() -> int:
 
 
 def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_to_none=None, fused_adam=False,
-           checkpoint=False, param_dtype=None):
+           checkpoint=False, param_dtype=None, captured_opt=None):
     """``set_to_none``: zero_grad's argument every step (None: alternate True/False);
     ``checkpoint``: every block under ``torch.utils.checkpoint``."""
     torch._dynamo.reset()
     m = _model(preset, checkpoint=checkpoint, param_dtype=param_dtype)
     cm = torch.compile(m, backend="graphcomp", options=options)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, **({"fused": True} if fused_adam else {}))
+    # captured_opt: graphcomp.optim.capture's options; its step replaces opt.step()
+    opt_step = opt.step if captured_opt is None else graphcomp.optim.capture(opt, **captured_opt)
     rank = dist.get_rank()
     losses = []
     torch.cuda.synchronize()
@@ -107,7 +109,7 @@ def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_t
             loss.backward()
         if step == 0:
             first_grads = [None if p.grad is None else p.grad.detach().clone() for p in m.parameters()]
-        opt.step()
+        opt_step()
         opt.zero_grad(set_to_none=(step % 2 == 0) if set_to_none is None else set_to_none)
         losses.append(loss.detach())  # read only at the end: step N after step N+1
         torch.cuda.synchronize()
@@ -319,6 +321,31 @@ def scenario_avg(out):
     return res
 
 
+def scenario_prefetch(out):
+    """Cross-step prefetch on NCCL with CUDA graphs: the sharded tiny Llama (bf16 gathers,
+    the table gathered alone), fused AdamW through graphcomp.optim.capture (clip 1.0,
+    captured) with prefetch on and off, 10 steps, eager codegen and Inductor."""
+    base = {"bucket_bytes": 8192}
+    res = {}
+    for codegen in ("eager", "inductor"):
+        runs = {}
+        for name in ("off", "on"):
+            graphcomp.reset()
+            runs[name] = _train("tiny", {**base, "codegen": codegen}, 10, 2, 32, set_to_none=True,
+                                param_dtype=torch.bfloat16, fused_adam=True,
+                                captured_opt={"max_norm": 1.0, "prefetch": name == "on"})
+            graphcomp.runtime.teardown()
+        on, off = runs["on"], runs["off"]
+        res[f"{codegen}_bitwise_losses"] = on["loss_bits"] == off["loss_bits"]
+        res[f"{codegen}_bitwise_params"] = all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+        res[f"{codegen}_bitwise_grads"] = all(torch.equal(a, b) for a, b in zip(on["first_grads"], off["first_grads"]))
+        res[f"{codegen}_grad_max_rel"] = _param_max_rel(on["first_grads"], off["first_grads"])
+        res[f"{codegen}_loss_max_rel"] = _loss_max_rel(on["losses"], off["losses"])
+        res[f"{codegen}_param_max_rel"] = _param_max_rel(on["params"], off["params"])
+        res[f"{codegen}_counters_on"], res[f"{codegen}_counters_off"] = on["counters"], off["counters"]
+    return res
+
+
 def scenario_exit(out):
     graphcomp.reset()
     r = _train("tiny", {"codegen": "eager", "cudagraphs": "auto"}, 3, 2, 32)
@@ -331,11 +358,12 @@ def main():
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     res = {"train": scenario_train, "memory": scenario_memory, "regions": scenario_regions,
-           "defer": scenario_defer, "avg": scenario_avg, "exit": scenario_exit}[scenario](outdir)
+           "defer": scenario_defer, "avg": scenario_avg, "prefetch": scenario_prefetch,
+           "exit": scenario_exit}[scenario](outdir)
     res["world"] = dist.get_world_size()
     with open(os.path.join(outdir, f"{scenario}.rank{rank}.json"), "w") as f:
         json.dump(res, f, default=str)
-    if scenario in ("train", "memory", "regions", "defer", "avg"):
+    if scenario in ("train", "memory", "regions", "defer", "avg", "prefetch"):
         graphcomp.runtime.teardown()  # always before destroy_process_group
     dist.destroy_process_group()  # "exit": graphs still alive here; the wrapped destroy releases them
 

@@ -343,6 +343,47 @@ def test_avg_reduce_scatter_bitwise_on_nccl(nproc, tmp_path):
 
 
 @pytest.mark.parametrize("nproc", [2])
+def test_cross_step_prefetch_bitwise_on_nccl_with_cuda_graphs(nproc, tmp_path):
+    """Cross-step prefetch on 2 GPUs: the sharded tiny Llama with its table gathered
+    alone, fused AdamW through ``graphcomp.optim.capture`` (captured, clip 1.0) with
+    ``prefetch`` on and off, CUDA graphs on, 10 steps. The same all-gather of the same
+    updated shard, issued during the optimizer's graph (after an external event) instead
+    of by the forward: eager codegen bitwise (first-step gradients, losses, parameters);
+    Inductor, which now compiles the lookup apart from what follows it, within 1e-5
+    (first-step gradients), 1e-4 (losses) and 1e-2 of the largest parameter. Every step
+    after the first took the prefetch (nothing discarded), the optimizer step was
+    captured, the forward's pieces captured apart from the eager one with the gather,
+    no fallback."""
+    if _ngpu() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    results = _torchrun(nproc, "prefetch", tmp_path, timeout=300)
+    for r in results:
+        checks = {}
+        for cg in ("eager", "inductor"):
+            on, off = r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]
+            if cg == "eager":
+                checks.update({"eager: first-step gradients bitwise": r["eager_bitwise_grads"],
+                               "eager: losses bitwise": r["eager_bitwise_losses"],
+                               "eager: params bitwise": r["eager_bitwise_params"]})
+            else:
+                checks.update({"inductor: first-step gradients within 1e-5": r["inductor_grad_max_rel"] <= 1e-5,
+                               "inductor: losses within 1e-4": r["inductor_loss_max_rel"] <= 1e-4,
+                               "inductor: params within 1e-2": r["inductor_param_max_rel"] <= 1e-2})
+            checks.update({
+                f"{cg}: the table gather rewritten": on.get("gathers_prefetched_across_steps", 0) >= 1,
+                f"{cg}: 9 prefetches taken, 1 miss, none discarded": (on.get("prefetches_taken"),
+                    on.get("prefetch_misses"), on.get("prefetches_discarded", 0)) == (9, 1, 0),
+                f"{cg}: pass off: none": off.get("prefetches_issued", 0) == 0,
+                f"{cg}: optimizer captured": on.get("optimizer_captures", 0) >= 1,
+                f"{cg}: pieces captured, no fallback": on.get("captures", 0) >= 2
+                    and on.get("cudagraph_fallbacks", 0) == 0,
+            })
+        failed = [k for k, ok in checks.items() if not ok]
+        assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k},
+                            {k: v for k, v in r["eager_counters_on"].items() if "prefetch" in k or "optim" in k})
+
+
+@pytest.mark.parametrize("nproc", [2])
 def test_compile_regions_reuse_regions_and_match_whole_graphs(nproc, tmp_path):
     """``compile_regions`` on NCCL with CUDA graphs: the tiny-deep Llama with every
     block checkpointed (as W3: on CUDA each block's attention then takes its RNG state
