@@ -406,6 +406,13 @@ def build_graphcomp_bucket256(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"bucket_bytes": 256 * 2**20})
 
 
+def build_graphcomp_wire150(ctx: Ctx) -> Built:
+    """graphcomp with ``collective_bytes_per_s`` at 150e9 (default 250e9):
+    ``defer_weight_grads`` models the wire slower and moves more weight-gradient
+    compute behind the last reduce-scatter."""
+    return build_graphcomp(ctx, options={"collective_bytes_per_s": 150e9})
+
+
 def build_graphcomp_rs256(ctx: Ctx) -> Built:
     """graphcomp with ``reduce_bucket_bytes`` at 256 MiB: the gathers keep the default
     64 MiB buckets, the gradient reduce-scatters are packed into up to 256 MiB."""
@@ -543,6 +550,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-remat_auto": build_graphcomp_remat_auto,
     "graphcomp-bucket256": build_graphcomp_bucket256,
     "graphcomp-rs256": build_graphcomp_rs256,
+    "graphcomp-wire150": build_graphcomp_wire150,
     "graphcomp-rs512": build_graphcomp_rs512,
     "graphcomp-remat_auto-rs256": build_graphcomp_remat_auto_rs256,
     "graphcomp-compile_regions": build_graphcomp_compile_regions,

@@ -68,6 +68,14 @@ class Config:
     before ``defer_weight_grads``, 0.2-0.5 ms with it (within the noise), so the
     default stays ``None``."""
 
+    collective_bytes_per_s: float | None = None
+    """The bandwidth (bytes per second of a reduce-scatter's input, times ``(W-1)/W``)
+    that ``defer_weight_grads`` models the wire at when it decides how much weight-
+    gradient compute must move to cover the last reduce-scatter. ``None`` (default):
+    250e9, W2's table gradient on 2 H200s over NVLink. A slower interconnect (PCIe,
+    several nodes) wants a smaller value (more compute moved, a little more memory);
+    must be > 0."""
+
     reshard_after_forward: bool | Literal["auto", "except_last"] = "auto"
     """Pass ``schedule_free``: whether a gathered parameter is released after its
     last use in forward and gathered again in backward. ``True``: reshard every
@@ -303,6 +311,11 @@ class Config:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         if self.bucket_bytes < 0:
             raise ValueError(f"Config.bucket_bytes: must be >= 0, got {self.bucket_bytes}")
+        cb = self.collective_bytes_per_s
+        if cb is not None and (isinstance(cb, bool) or not isinstance(cb, (int, float)) or not cb > 0
+                               or cb == float("inf")):
+            raise ValueError(f"Config.collective_bytes_per_s: must be a finite number > 0 (bytes per second) or "
+                             f"None, got {cb!r}")
         if self.reduce_bucket_bytes is not None and self.reduce_bucket_bytes < 0:
             raise ValueError(f"Config.reduce_bucket_bytes: must be >= 0 or None, got {self.reduce_bucket_bytes}")
         if self.prefetch_bytes < 0:

@@ -84,9 +84,10 @@ def _last_reduce_scatter(gm: fx.GraphModule) -> fx.Node | None:
     return next((n for n in reversed(gm.graph.nodes) if _is_rs(n)), None)
 
 
-def collective_seconds(in_bytes: int, world: int) -> float:
-    """Modelled seconds of a reduce-scatter of ``in_bytes`` over ``world`` ranks (ring)."""
-    return in_bytes * (world - 1) / world / COLLECTIVE_BYTES_PER_S
+def collective_seconds(in_bytes: int, world: int, bytes_per_s: float | None = None) -> float:
+    """Modelled seconds of a reduce-scatter of ``in_bytes`` over ``world`` ranks (ring),
+    at ``bytes_per_s`` (``Config.collective_bytes_per_s``; None: ``COLLECTIVE_BYTES_PER_S``)."""
+    return in_bytes * (world - 1) / world / (bytes_per_s or COLLECTIVE_BYTES_PER_S)
 
 
 def _in_bytes(rs: fx.Node) -> int:
@@ -138,7 +139,7 @@ class DeferPlan:
     structural: bool = False  # nothing to plan whatever the shapes (no agreement needed)
 
 
-def plan(gm: fx.GraphModule, k: int | None = None) -> DeferPlan:
+def plan(gm: fx.GraphModule, k: int | None = None, bytes_per_s: float | None = None) -> DeferPlan:
     """The cut, in whole units of one reduce-scatter each: with ``k`` given (a plan
     agreed or reused), exactly ``k`` of them move; else the fewest whose compute covers
     the moved collectives by the cost model. Only ``k`` depends on shapes (through the
@@ -154,7 +155,7 @@ def plan(gm: fx.GraphModule, k: int | None = None) -> DeferPlan:
     if in_bytes <= 0:
         return DeferPlan(rs, n_rs=n_rs, why="the last reduce-scatter's size is unknown (symbolic shapes): nothing is "
                                             "modelled", structural=True)
-    target = collective_seconds(in_bytes, world)
+    target = collective_seconds(in_bytes, world, bytes_per_s)
     if target <= 0:
         return DeferPlan(rs, n_rs=n_rs, why=f"the last reduce-scatter moves no bytes (world {world}): nothing to "
                                             "cover", structural=True)
@@ -171,7 +172,7 @@ def plan(gm: fx.GraphModule, k: int | None = None) -> DeferPlan:
             if (passed == k) if k is not None else (seconds > 0 and seconds >= target):
                 break
             passed += 1
-            target += collective_seconds(_in_bytes(n), world)  # it now runs after rs: cover it too
+            target += collective_seconds(_in_bytes(n), world, bytes_per_s)  # it now runs after rs: cover it too
         elif gu.collective_kind(n) is None and n.target is not c10d.wait_tensor.default:
             seconds += compute_seconds(n)
         moved.append(n)
@@ -257,7 +258,8 @@ def _fits(gm: fx.GraphModule, p: DeferPlan, budget: int) -> tuple[bool, int]:
 
 @register_pass("defer_weight_grads", stages=("bwd",), before=("schedule_prefetch",))
 def defer_weight_grads(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    p = plan(gm)
+    wire = ctx.config.collective_bytes_per_s
+    p = plan(gm, bytes_per_s=wire)
     if p.structural:
         return ctx.unchanged(gm, p.why)
     budget = memory.resolve_budget(ctx.config.memory_budget, gm)
@@ -272,7 +274,7 @@ def defer_weight_grads(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if note:
         ctx.note(note)
     if k != p.k:
-        p = plan(gm, k)
+        p = plan(gm, k, bytes_per_s=wire)
     if p.why:
         return ctx.unchanged(gm, p.why)
     _reorder(gm, p.rs, p.moved)

@@ -120,7 +120,7 @@ def test_order_is_restored_when_the_estimate_passes_the_budget(monkeypatch):
 
 
 def test_same_values_on_a_real_group(monkeypatch):
-    monkeypatch.setattr(dwg, "collective_seconds", lambda nbytes, world: 1.0)  # move everything it may
+    monkeypatch.setattr(dwg, "collective_seconds", lambda nbytes, world, bytes_per_s=None: 1.0)  # move everything it may
     with world1_group() as group:
         f, args = _backward(h=16, tokens=8, vocab=32, world=1, group=group)
         gm = trace(f, *args)
@@ -211,3 +211,18 @@ def test_ranks_move_the_fewest_any_rank_planned(fresh_session, monkeypatch):
     gm, rec = run_pass("defer_weight_grads", trace(f, *args), stage="bwd", code_id=8)
     assert seen == {"kept": [0, 1], "n": 3, "namespace": "defer"}
     assert rec.counts["reduce_scatters_deferred"] == 1 and any("every rank's 1" in n for n in rec.notes)
+
+
+def test_slower_modelled_wire_moves_more(monkeypatch):
+    """``Config.collective_bytes_per_s`` is the wire the cover target is modelled at: a
+    slower one moves at least as many reduce-scatters, and a bad value is refused."""
+    from graphcomp.config import Config
+
+    f, args = _backward()
+    gm = trace(f, *args)
+    fast = dwg.plan(gm, bytes_per_s=1e15)
+    slow = dwg.plan(gm, bytes_per_s=1.0)
+    assert slow.k > fast.k
+    for bad in (0, -1.0, float("inf"), True, "fast"):
+        with pytest.raises(ValueError, match="collective_bytes_per_s"):
+            Config.from_options({"collective_bytes_per_s": bad})
