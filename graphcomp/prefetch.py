@@ -32,6 +32,7 @@ waits for gathers in flight and drops them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ class CrossStepPrefetch:
                 c10d.wait_tensor(old.out)
                 SESSION.counters.add("prefetches_discarded")
             r = self.recipes[id(s)]
-            ctx = dev.stream(self.stream) if on_cuda else _nullcontext()
+            ctx = dev.stream(self.stream) if on_cuda else contextlib.nullcontext()
             with ctx:
                 send = _send_buffer(s, r.dtype)
                 out = c10d.all_gather_into_tensor(send, r.world, r.group)
@@ -198,14 +199,6 @@ class CrossStepPrefetch:
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "recipes": len(self.recipes), "in_flight": len(self.slots),
                 "providers": len(self.providers)}
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 PREFETCH = CrossStepPrefetch()

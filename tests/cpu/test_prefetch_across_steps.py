@@ -8,6 +8,7 @@ forward in between)."""
 import pytest
 import torch
 
+import graphcomp
 from _dist import DistPool
 from _graphs import gather, trace
 
@@ -176,3 +177,49 @@ def test_prefetch_trains_bitwise_like_the_gather_it_replaces(ranks2):
         assert c_on["prefetch_misses"] == 2 and c_on.get("prefetches_discarded") == 1, (c_on, taken)
         assert c_on["prefetches_taken"] == 4, (c_on, taken)
         assert taken == [0, 1, 2, 3, 3, 4]
+
+
+# ------------------------------------------------- the prefetch state, one process
+def test_take_uses_a_valid_prefetch_and_discards_the_rest():
+    """``PREFETCH`` on a real world-1 gloo group: a miss registers the gather; an issued
+    gather is taken (the shard's values); one is discarded when the shard was written
+    since (its own version, or its DTensor-style owner's), when a whole step is being
+    captured, or when the next step's supersedes it; release() drops what is in flight."""
+    from _graphs import world1_group
+
+    from graphcomp.prefetch import PREFETCH
+    from graphcomp.runtime.manager import RUNTIME
+
+    with world1_group() as group:
+        graphcomp.reset()
+        shard = torch.nn.Parameter(torch.randn(4, 2))
+        c = graphcomp.counters
+        assert PREFETCH.take(shard, torch.bfloat16, 1, group) is None and c["prefetch_misses"] == 1
+        assert PREFETCH.shards_for([torch.zeros(1), shard]) == [shard]
+
+        def issued_then_taken():
+            assert PREFETCH.issue([shard]) == 1
+            return PREFETCH.take(shard, torch.bfloat16, 1, group)
+
+        got = issued_then_taken()
+        assert torch.equal(got, shard.detach().bfloat16()) and c["prefetches_taken"] == 1
+        PREFETCH.issue([shard])
+        with torch.no_grad():
+            shard.add_(1.0)  # written after the step
+        assert PREFETCH.take(shard, torch.bfloat16, 1, group) is None and c["prefetches_discarded"] == 1
+        PREFETCH.issue([shard])
+        RUNTIME.active_step = object()  # graphcomp.capture_step capturing: gather in its graph
+        try:
+            assert PREFETCH.take(shard, torch.bfloat16, 1, group) is None and c["prefetches_discarded"] == 2
+        finally:
+            RUNTIME.active_step = None
+        PREFETCH.issue([shard])
+        PREFETCH.issue([shard])  # never taken: superseded
+        assert c["prefetches_discarded"] == 3
+        assert PREFETCH.take(shard, torch.float32, 1, group) is None  # another gather of it
+        assert c["prefetches_discarded"] == 4
+        PREFETCH.issue([shard])
+        assert len(PREFETCH.slots) == 1
+        PREFETCH.release(final=True)
+        assert not PREFETCH.slots and not PREFETCH.recipes and not PREFETCH.enabled()
+        graphcomp.reset()
