@@ -52,7 +52,9 @@ __all__ = ["PREFETCH", "CrossStepPrefetch", "prefetched_gather"]
 
 
 def _send_buffer(shard: Tensor, dtype: torch.dtype | None) -> Tensor:
-    return (shard if dtype is None else shard.to(dtype)).contiguous()
+    """The gather's input: the shard cast to ``dtype``, or (no cast) a detached alias of
+    it, so that a slot never keeps the parameter object itself alive."""
+    return (shard.detach() if dtype is None else shard.to(dtype)).contiguous()
 
 
 def _gather_now(shard: Tensor, dtype: torch.dtype | None, world: int, group: str) -> Tensor:
@@ -128,6 +130,7 @@ class CrossStepPrefetch:
         """Launch the registered gathers of ``params``' shards (on CUDA on the side
         stream, after the device event ``after``, or after the current stream's work
         when None). Returns how many were issued."""
+        self._drop_orphans()
         shards = self.shards_for(params)
         if not shards:
             return 0
@@ -156,6 +159,15 @@ class CrossStepPrefetch:
             n += 1
         SESSION.counters.add("prefetches_issued", n)
         return n
+
+    def _drop_orphans(self) -> None:
+        """Finish and drop the gathers of parameters that no longer exist (a parameter
+        object replaced, its model deleted): no forward can take them."""
+        for key in [k for k, sl in self.slots.items() if sl.param() is None or sl.recipe.shard() is None]:
+            c10d.wait_tensor(self.slots.pop(key).out)
+            SESSION.counters.add("prefetches_discarded")
+        for key in [k for k, r in self.recipes.items() if r.shard() is None]:
+            del self.recipes[key]
 
     # ---------------------------------------------------------- taking
     def take(self, shard: Tensor, dtype: torch.dtype | None, world: int, group: str) -> Tensor | None:

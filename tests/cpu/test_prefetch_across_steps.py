@@ -218,8 +218,15 @@ def test_take_uses_a_valid_prefetch_and_discards_the_rest():
         assert c["prefetches_discarded"] == 3
         assert PREFETCH.take(shard, torch.float32, 1, group) is None  # another gather of it
         assert c["prefetches_discarded"] == 4
-        PREFETCH.issue([shard])
+        # a parameter that is gone (replaced, its model deleted): its gather is dropped at
+        # the next issue, whoever issues it
+        other = torch.nn.Parameter(torch.randn(2, 2))
+        PREFETCH.take(other, None, 1, group)
+        PREFETCH.issue([other])
         assert len(PREFETCH.slots) == 1
+        del other
+        PREFETCH.issue([shard])
+        assert len(PREFETCH.slots) == 1 and c["prefetches_discarded"] == 5 and len(PREFETCH.recipes) == 1
         PREFETCH.release(final=True)
         assert not PREFETCH.slots and not PREFETCH.recipes and not PREFETCH.enabled()
         graphcomp.reset()
