@@ -304,10 +304,14 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
     all fits, that is one estimate; else the longest prefix of the order that fits
     is found by bisection (the estimate only grows as groups are kept, so the
     one-by-one greedy keeps exactly that prefix and rejects the next group); then
-    each remaining group is tried, except one read in the backward and at least as
-    large as such a group that did not fit (a kept gather lives from its forward
-    use to its backward use, across the peak, so a larger one would not fit either;
-    a gather the backward never reads costs nothing kept and is always tried).
+    each remaining group is tried, except one read in the backward, at least as
+    large as such a group that did not fit, and alive only if kept (between its last
+    forward and first backward read) at the position where that group's estimate
+    peaked: there it adds at least the bytes that did not fit, on top of at least
+    the same memory, so it would not fit either (a gather the backward never reads
+    costs nothing kept and is always tried). Until 2026-11-27 the rule skipped any
+    larger group, wherever the peak was, and so kept less than the greedy where a
+    larger group's window missed that peak (a hypothesis example found it).
     ``recompute``: the nodes the partitioner recomputes as tagged (the user's
     checkpointing, ``remat``'s plan), for every estimate."""
     bwd = memory.backward_nodes(gm)
@@ -347,11 +351,20 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
     kept = set(order[:lo])
     est = best if lo else est
     read_in_bwd = [any(u in bwd for v in g.values for u in v.users) for g in groups]
-    inf = float("inf")
-    failed_min = groups[order[lo]].held_bytes if read_in_bwd[order[lo]] else inf  # (it did not fit)
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    windows = [_kept_only_window(g, pos, bwd) for g in groups]
     reshard = resharded(kept)
+    # (held bytes, peak position) of each group read in the backward that did not fit: a
+    # group at least as large whose kept-only window holds that position cannot fit either
+    failed: list[tuple[int, int]] = []
+    if read_in_bwd[order[lo]]:
+        e = estimate(reshard - roots[order[lo]])  # (the bisection's first prefix that did not fit)
+        n_est += 1
+        failed.append((groups[order[lo]].held_bytes, e.peak_index))
     for i in order[lo + 1:]:
-        if read_in_bwd[i] and groups[i].held_bytes >= failed_min:
+        w = windows[i]
+        if read_in_bwd[i] and w is not None and any(
+                groups[i].held_bytes >= held and w[0] < at < w[1] for held, at in failed):
             continue
         trial = reshard - roots[i]
         e = estimate(trial)
@@ -360,10 +373,23 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
             kept.add(i)
             reshard, est = trial, e
         elif read_in_bwd[i]:
-            failed_min = min(failed_min, groups[i].held_bytes)
+            failed.append((groups[i].held_bytes, e.peak_index))
     if ctx is not None:
         ctx.count("estimates", n_est)
     return kept, est, None
+
+
+def _kept_only_window(g: GatherGroup, pos: dict[fx.Node, int], bwd: set[fx.Node]) -> tuple[int, int] | None:
+    """Graph positions strictly between the gathered value's last forward read and its
+    first backward read: where the value is alive only if it is kept (resharded, it is
+    gathered again for the backward); None if the backward does not read it."""
+    vals = set(g.values)
+    users = [u for v in g.values for u in v.users if u not in vals and u in pos]
+    bw = [pos[u] for u in users if u in bwd]
+    if not bw:
+        return None
+    fw = [pos[u] for u in users if u not in bwd]
+    return (max(fw) if fw else pos[g.coll]), min(bw)
 
 
 @register_pass("schedule_free", stages=("joint",), after=("fuse_allgather_downcast", "bucket_collectives", "remat"))
