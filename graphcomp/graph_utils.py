@@ -70,6 +70,16 @@ def collective_group(node: fx.Node) -> str | None:
     return None
 
 
+def is_gradient_reduce_scatter(node: fx.Node) -> bool:
+    """A reduce-scatter of graphcomp's (a sharded parameter's gradient), not tensor parallel's."""
+    return is_target(node, c10d.reduce_scatter_tensor.default) and not is_foreign_collective(node)
+
+
+def gradient_reduce_scatters(gm: fx.GraphModule) -> list[fx.Node]:
+    """graphcomp's gradient reduce-scatters in ``gm``, in graph order."""
+    return [n for n in gm.graph.nodes if is_gradient_reduce_scatter(n)]
+
+
 def is_foreign_collective(node: fx.Node) -> bool:
     """True for a collective that is not graphcomp's: once ``shard(mesh=...)`` has
     sharded a model beside tensor parallelism, a collective on any group other than

@@ -38,7 +38,6 @@ from graphcomp import graph_utils as gu
 from graphcomp.pipeline import PassContext, PassResult, register_pass
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 
 # backends whose reduce-scatter computes "avg" as a pre-scaled sum (NCCL's PreMulSum)
 AVG_BACKENDS = ("nccl",)
@@ -78,8 +77,7 @@ def _try(gm: fx.GraphModule, rs: fx.Node, backend_of) -> str | None:  # noqa: AN
 
 @register_pass("avg_reduce_scatter", stages=("joint",), after=("fuse_grad_upcast",), before=("bucket_collectives",))
 def avg_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    rss = [n for n in gm.graph.nodes
-           if gu.is_target(n, c10d.reduce_scatter_tensor.default) and not gu.is_foreign_collective(n)]
+    rss = gu.gradient_reduce_scatters(gm)
     if not rss:
         return ctx.unchanged(gm, "no gradient reduce-scatter in the graph")
     done = ctx.rewrite_each(rss, lambda rs: _try(gm, rs, _compat.group_backend))

@@ -76,8 +76,7 @@ def compute_seconds(node: fx.Node) -> float:
     return recompute_seconds(node)[0]
 
 
-def _is_rs(n: fx.Node) -> bool:
-    return gu.is_target(n, c10d.reduce_scatter_tensor.default) and not gu.is_foreign_collective(n)
+_is_rs = gu.is_gradient_reduce_scatter
 
 
 def _last_reduce_scatter(gm: fx.GraphModule) -> fx.Node | None:

@@ -44,6 +44,8 @@ strides would differ from the upcast's output. Tensor-parallel reduce-scatters
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx as fx
 
@@ -52,7 +54,6 @@ from graphcomp import graph_utils as gu
 from graphcomp.pipeline import PassContext, PassResult, register_pass
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 
 NARROW = (torch.bfloat16, torch.float16)
 VIEWS = gu.VIEW_OPS | {aten.t.default, aten.transpose.int, aten.permute.default}
@@ -94,30 +95,8 @@ def _try(gm: fx.GraphModule, rs: fx.Node) -> str | None:
         return "dtype"
     if not _device_ok(x):
         return "not_cuda"
-    g = gm.graph
-    with g.inserting_before(cast):
-        new = g.call_function(aten.mm.dtype, (x.args[0], x.args[1], torch.float32))
-        created = [new]
-        for v in reversed(views):
-            created.append(g.call_function(v.target, (created[-1], *v.args[1:]), dict(v.kwargs)))
-    for n in created:
-        gu.fake_eval(gm, n)
-    cur = created[-1]
-    want, got = gu.tensor_meta(cast), gu.tensor_meta(cur)
-    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and (
-            want.shape != got.shape or want.stride() != got.stride() or got.dtype != torch.float32):
-        for n in reversed(created):
-            g.erase_node(n)
-        return "strides"
-    for k in ("stack_trace", "seq_nr", "partitioner_tag"):
-        if k in x.meta:
-            new.meta[k] = x.meta[k]
-    cast.replace_all_uses_with(cur)
-    g.erase_node(cast)
-    for v in views:
-        g.erase_node(v)
-    g.erase_node(x)
-    return None
+    return _replace_producer(gm, cast, views, x,
+                             lambda g: [g.call_function(aten.mm.dtype, (x.args[0], x.args[1], torch.float32))])
 
 
 def _embedding_grad(gm: fx.GraphModule, cast: fx.Node, views: list[fx.Node], emb: fx.Node,
@@ -128,11 +107,22 @@ def _embedding_grad(gm: fx.GraphModule, cast: fx.Node, views: list[fx.Node], emb
         return "dtype"
     if not _device_ok(emb):
         return "not_cuda"
+    def make(g: fx.Graph) -> list[fx.Node]:
+        up = g.call_function(torch.ops.prims.convert_element_type.default, (emb.args[0], torch.float32))
+        return [up, g.call_function(aten.embedding_dense_backward.default, (up, *emb.args[1:]), dict(emb.kwargs))]
+
+    return _replace_producer(gm, cast, views, emb, make)
+
+
+def _replace_producer(gm: fx.GraphModule, cast: fx.Node, views: list[fx.Node], old: fx.Node,
+                      make: Callable[[fx.Graph], list[fx.Node]]) -> str | None:
+    """Put ``make(graph)``'s nodes (the last one produces fp32 directly) and copies of
+    ``views`` in place of ``old -> views -> cast``; None, or ``"strides"`` (nothing
+    changed) when the result's shape, strides or dtype would differ from the cast's."""
     g = gm.graph
     with g.inserting_before(cast):
-        up = g.call_function(torch.ops.prims.convert_element_type.default, (emb.args[0], torch.float32))
-        new = g.call_function(aten.embedding_dense_backward.default, (up, *emb.args[1:]), dict(emb.kwargs))
-        created = [up, new]
+        created = make(g)
+        new = created[-1]
         for v in reversed(views):
             created.append(g.call_function(v.target, (created[-1], *v.args[1:]), dict(v.kwargs)))
     for n in created:
@@ -145,21 +135,20 @@ def _embedding_grad(gm: fx.GraphModule, cast: fx.Node, views: list[fx.Node], emb
             g.erase_node(n)
         return "strides"
     for k in ("stack_trace", "seq_nr", "partitioner_tag"):
-        if k in emb.meta:
-            new.meta[k] = emb.meta[k]
+        if k in old.meta:
+            new.meta[k] = old.meta[k]
     cast.replace_all_uses_with(cur)
     g.erase_node(cast)
     for v in views:
         g.erase_node(v)
-    g.erase_node(emb)
+    g.erase_node(old)
     return None
 
 
 @register_pass("fuse_grad_upcast", stages=("joint",), after=("fuse_allgather_downcast",),
                before=("bucket_collectives",))
 def fuse_grad_upcast(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    rss = [n for n in gm.graph.nodes
-           if gu.is_target(n, c10d.reduce_scatter_tensor.default) and not gu.is_foreign_collective(n)]
+    rss = gu.gradient_reduce_scatters(gm)
     if not rss:
         return ctx.unchanged(gm, "no gradient reduce-scatter in the graph")
     if not _compat.has_mm_out_dtype():
