@@ -307,6 +307,21 @@ def test_defer_weight_grads_bitwise_on_nccl_with_cuda_graphs(nproc, tmp_path):
         assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k})
 
 
+def _parity_checks(r, cg):
+    """A pass on against off (a worker's ``_compare``): eager codegen bitwise (first-step
+    gradients, losses, parameters); Inductor within 1e-5 (first-step gradients, of each
+    gradient's largest element), 1e-4 (losses) and 1e-2 of the largest parameter (its
+    table gradient is an atomic scatter-add: two Inductor runs differ at ~1e-7, which
+    AdamW turns into lr-sized moves of near-zero-gradient elements)."""
+    if cg == "eager":
+        return {"eager: first-step gradients bitwise": r["eager_bitwise_grads"],
+                "eager: losses bitwise": r["eager_bitwise_losses"],
+                "eager: params bitwise": r["eager_bitwise_params"]}
+    return {f"{cg}: first-step gradients within 1e-5": r[f"{cg}_grad_max_rel"] <= 1e-5,
+            f"{cg}: losses within 1e-4": r[f"{cg}_loss_max_rel"] <= 1e-4,
+            f"{cg}: params within 1e-2": r[f"{cg}_param_max_rel"] <= 1e-2}
+
+
 @pytest.mark.parametrize("nproc", [2])
 def test_avg_reduce_scatter_bitwise_on_nccl(nproc, tmp_path):
     """``avg_reduce_scatter`` on 2 GPUs (NCCL ``avg`` pre-scales by 1/2, exact): the
@@ -325,14 +340,7 @@ def test_avg_reduce_scatter_bitwise_on_nccl(nproc, tmp_path):
         checks = {}
         for cg in ("eager", "inductor"):
             on, off = r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]
-            if cg == "eager":
-                checks.update({"eager: first-step gradients bitwise": r["eager_bitwise_grads"],
-                               "eager: losses bitwise": r["eager_bitwise_losses"],
-                               "eager: params bitwise": r["eager_bitwise_params"]})
-            else:
-                checks.update({"inductor: first-step gradients within 1e-5": r["inductor_grad_max_rel"] <= 1e-5,
-                               "inductor: losses within 1e-4": r["inductor_loss_max_rel"] <= 1e-4,
-                               "inductor: params within 1e-2": r["inductor_param_max_rel"] <= 1e-2})
+            checks.update(_parity_checks(r, cg))
             checks.update({
                 f"{cg}: reduce-scatters averaged": on.get("reduce_scatters_averaged", 0) >= 2,
                 f"{cg}: pass off averages none": off.get("reduce_scatters_averaged", 0) == 0,
@@ -361,14 +369,7 @@ def test_cross_step_prefetch_bitwise_on_nccl_with_cuda_graphs(nproc, tmp_path):
         checks = {}
         for cg in ("eager", "inductor"):
             on, off = r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]
-            if cg == "eager":
-                checks.update({"eager: first-step gradients bitwise": r["eager_bitwise_grads"],
-                               "eager: losses bitwise": r["eager_bitwise_losses"],
-                               "eager: params bitwise": r["eager_bitwise_params"]})
-            else:
-                checks.update({"inductor: first-step gradients within 1e-5": r["inductor_grad_max_rel"] <= 1e-5,
-                               "inductor: losses within 1e-4": r["inductor_loss_max_rel"] <= 1e-4,
-                               "inductor: params within 1e-2": r["inductor_param_max_rel"] <= 1e-2})
+            checks.update(_parity_checks(r, cg))
             checks.update({
                 f"{cg}: the table gather rewritten": on.get("gathers_prefetched_across_steps", 0) >= 1,
                 f"{cg}: 9 prefetches taken, 1 miss, none discarded": (on.get("prefetches_taken"),
