@@ -57,7 +57,7 @@ class CapturedStep:
         self.opt = opt
         self.prefetch = prefetch
         self._prefetch_event: Any = None  # marks "the prefetched shards are updated" on the device
-        self._marked = False  # this eager step (or the capture) recorded the mark
+        self._marked: frozenset[int] = frozenset()  # ids of the shards updated before the mark this step recorded
         self._graph_marks: frozenset[int] = frozenset()  # ids of the shards a captured graph updates before its mark
         self.max_norm, self.norm_type, self.foreach = max_norm, norm_type, foreach
         self.fold_clip = fold_clip
@@ -271,13 +271,10 @@ class CapturedStep:
                 self._norm = torch.zeros((), dtype=local.dtype, device=local.device)
             self._norm.copy_(local)
 
-            phases = self._phases(self._step_params, total)
+            phases, early = self._phases(self._step_params, total)
 
             def update() -> None:
-                for i, phase in enumerate(phases):
-                    if i:
-                        self._mark()
-                    phase()
+                self._run_phases(phases, early)
 
             if self.skip:
                 self._finite.copy_(torch.isfinite(local))
@@ -285,10 +282,8 @@ class CapturedStep:
                 if self._capturing_into is not None and self.skip_by == "if_node":
                     # one IF node per phase: the mark (an event record node) between them, in
                     # the graph itself (a conditional body holds kernels only)
-                    for i, phase in enumerate(phases):
-                        if i:
-                            self._mark()
-                        RUNTIME.device.run_if(self._capturing_into, self._finite, phase)
+                    self._run_phases(phases, early,
+                                     lambda phase: RUNTIME.device.run_if(self._capturing_into, self._finite, phase))
                 elif self._capturing_into is not None:
                     # the fused kernel leaves parameters and state alone, and undoes its step
                     # count, where found_inf is 1 (the gradients are clipped by a non-finite
@@ -337,24 +332,32 @@ class CapturedStep:
         if self.skip and not bool(torch.isfinite(local)):
             SESSION.counters.add("optimizer_steps_skipped_nonfinite")
             return
-        for i, phase in enumerate(self._phases(params, total)):
-            if i:
-                self._mark()
-            phase()
+        self._run_phases(*self._phases(params, total))
 
-    def _phases(self, params: list[torch.Tensor], total: torch.Tensor) -> list[Any]:
+    def _phases(self, params: list[torch.Tensor], total: torch.Tensor) -> tuple[list[Any], frozenset[int]]:
         """The update as callables run in order. With shards whose gathers the next
         forward takes from :data:`graphcomp.prefetch.PREFETCH` among ``params``: clip,
         step those shards; then (after the mark) step the rest. Otherwise one phase.
         Each parameter's update is the one a single ``opt.step()`` makes (Adam, AdamW
-        and SGD update each parameter on its own)."""
+        and SGD update each parameter on its own). Also returns the early shards' ids."""
         early = self._early(params)
         if not early:
-            return [lambda: self._clip_and_step(params, total)]
-        ids = {id(p) for p in early}
+            return [lambda: self._clip_and_step(params, total)], frozenset()
+        ids = frozenset(id(p) for p in early)
         rest = [p for p in params if id(p) not in ids]
         return [lambda: self._clip_and_step(params, total, only=early),
-                lambda: self._clip_and_step(params, total, only=rest, clipped=True)]
+                lambda: self._clip_and_step(params, total, only=rest, clipped=True)], ids
+
+    def _run_phases(self, phases: list[Any], early: frozenset[int], run: Any = None) -> None:
+        """Run ``phases`` in order (each through ``run``, e.g. into an IF node), with the
+        prefetch mark between the first and the second."""
+        for i, phase in enumerate(phases):
+            if i:
+                self._mark(early)
+            if run is None:
+                phase()
+            else:
+                run(phase)
 
     def _early(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The shards to update before the prefetch mark (none: no prefetch this step)."""
@@ -363,11 +366,12 @@ class CapturedStep:
         early = PREFETCH.shards_for(params)
         return early if len(early) < len(params) else []
 
-    def _mark(self) -> None:
-        """On the device, after the early phase: the prefetch may start (inside a capture
-        an external event record node, which a stream outside the graph can wait for)."""
+    def _mark(self, early: frozenset[int]) -> None:
+        """On the device, after the early phase (the shards ``early``): their prefetch may
+        start (inside a capture an external event record node, which a stream outside
+        the graph can wait for)."""
         dev = RUNTIME.device
-        self._marked = True
+        self._marked = early
         params = self._step_params or [p for g in self.opt.param_groups for p in g["params"]]
         if not params or _compat.dtensor_local(params[0]).device.type != "cuda":
             return  # (CPU: collectives and updates run in issue order; nothing to mark)
@@ -384,12 +388,12 @@ class CapturedStep:
         if captured:
             early = self._graph_marks if _compat.supports_external_events() else frozenset()
         else:
-            early = frozenset(id(p) for p in self._early(params)) if self._marked else frozenset()
+            early = self._marked
         first = [p for p in params if id(p) in early]
         if first:
             PREFETCH.issue(first, after=self._prefetch_event)
         PREFETCH.issue([p for p in params if id(p) not in early], after=None)
-        self._marked = False
+        self._marked = frozenset()
 
     def _clip_and_step(self, params: list[torch.Tensor], total: torch.Tensor,
                        only: list[torch.Tensor] | None = None, clipped: bool = False) -> None:
@@ -482,8 +486,7 @@ class CapturedStep:
             self._capturing_into = None
         dev.wait(dev.current_stream(), stream)
         self._graph = g
-        self._graph_marks = frozenset(id(p) for p in self._early(with_grad)) if self._marked else frozenset()
-        self._marked = False
+        self._graph_marks, self._marked = self._marked, frozenset()
         self._grad_ptrs = self._grad_key(_compat.grads_of(self._params))
         self._static_ptrs = tuple(t.data_ptr() for t in self._static_tensors())
         self._replays_checked = 0
