@@ -135,14 +135,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None,
                     eager_optimizer: bool = False, whole_step: bool = False, options: dict | None = None,
-                    embedding: str = "gather", fold_clip: bool = False) -> Built:
+                    embedding: str | None = None, fold_clip: bool = False) -> Built:
     """``eager_optimizer``: torch's eager clip + step (the ``graphcomp-eager_optimizer``
     system) instead of graphcomp's captured step (``graphcomp``, on CUDA).
     ``whole_step``: the ``graphcomp`` step (captured optimizer) through
     ``graphcomp.capture_step``, one CUDA graph per step (``graphcomp-whole_step``).
     ``options``: ``graphcomp.Config`` options over the defaults (a system that
     measures one option, e.g. ``graphcomp-inductor_memory_reorder``).
-    ``embedding``: ``graphcomp.shard``'s ``embedding=`` (``graphcomp-embedding_exchange``).
+    ``embedding``: ``graphcomp.shard``'s ``embedding=`` (None: its default, ``"auto"``;
+    ``graphcomp-embedding_exchange``: ``"exchange"``; the table gather is the ablation
+    row ``graphcomp-no_embedding_exchange``).
     ``fold_clip``: ``graphcomp.optim.capture(..., fold_clip=True)`` (``graphcomp-fold_clip``)."""
     graphcomp = _import_graphcomp()
     options = dict(options or {})
@@ -175,7 +177,7 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         graphcomp.shard(model, mesh=mesh, dp_dim="dp", param_dtype=BF16, reduce_dtype=torch.float32)
     elif sharded:
         try:
-            kw = {} if embedding == "gather" else {"embedding": embedding}
+            kw = {} if embedding is None else {"embedding": embedding}
             graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32, **kw)
         except (AttributeError, ImportError) as e:
             raise NotRun(f"graphcomp.shard() not usable yet: {type(e).__name__}: {e}") from None
@@ -197,7 +199,7 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
             "wrapping": ("graphcomp.shard(model, mesh=mesh, dp_dim='dp', param_dtype=bf16, reduce_dtype=fp32) "
                          "after the TP plan, then torch.compile" if ctx.tp > 1 else
                          f"graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32"
-                         f"{'' if embedding == 'gather' else f', embedding={embedding!r}'}), then torch.compile"),
+                         f"{'' if embedding is None else f', embedding={embedding!r}'}), then torch.compile"),
             "mixed_precision": "param_dtype=bf16 (gathered weights bf16), reduce_dtype=fp32; no autocast",
             "compute": workloads.compute_note(ctx.workload),
             "master_weights": "fp32 shards (optimizer built on model.parameters() after shard)",

@@ -28,11 +28,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import _compat, agreement, dump, graph_utils, memory, shard_gather
+from . import _compat, agreement, dump, embedding_exchange, graph_utils, memory, shard_gather
 from .config import Config
 from .pipeline import PassContext, run_stage
 from .plan import FramePlan, StageInputs
 from .session import SESSION, FrameRecord
+
+# what AOTAutograd decomposes (both codegens): the gathers into their collectives and views
+DECOMPOSITIONS = {**shard_gather.DECOMPOSITIONS, **embedding_exchange.DECOMPOSITIONS}
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +251,7 @@ class FrameCompiler:
                 hook = _compat.make_joint_hook(self.joint_hook, cache_uuid(self.cfg, captures))
                 self.joint_hook_obj = hook  # re-installed around every stage compile (cache key)
                 with _compat.inductor_patches(hook, no_donated_buffers=captures):
-                    _compat.register_inductor_decompositions(shard_gather.DECOMPOSITIONS)
+                    _compat.register_inductor_decompositions(DECOMPOSITIONS)
                     return _compat.inductor_compile_fx(gm, example_inputs, inner_compile=self.inner_compile)
             backend = _compat.aot_autograd(
                 fw_compiler=self.eager_compiler("fwd"),
@@ -256,7 +259,7 @@ class FrameCompiler:
                 inference_compiler=self.eager_compiler("inference"),
                 partition_fn=self.eager_partition,
                 keep_inference_input_mutations=True,
-                decompositions=dict(shard_gather.DECOMPOSITIONS),
+                decompositions=dict(DECOMPOSITIONS),
             )
             return backend(gm, example_inputs)
         finally:

@@ -41,6 +41,9 @@ class Counters(Mapping):
     """Pass runs that reported a change."""
     silent_noop_passes: int = 0
     """Pass runs that neither changed anything nor said why (a graphcomp bug)."""
+    embedding_lookups_exchanged: int = 0
+    """Embedding lookups that exchange tokens and rows instead of gathering the table
+    (embedding_exchange; ``shard(..., embedding="auto" | "exchange")``)."""
     gathers_fused: int = 0
     """Parameter all-gathers whose downcast moved onto the shard (fuse_allgather_downcast)."""
     grad_upcasts_fused: int = 0

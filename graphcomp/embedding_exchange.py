@@ -1,6 +1,6 @@
-"""Token exchange for sharded embeddings (``graphcomp.shard(model, embedding="exchange")``).
+"""Token exchange for sharded embeddings (``graphcomp.shard(model, embedding=...)``).
 
-A sharded ``nn.Embedding`` is normally gathered whole on use, like any parameter:
+A sharded ``nn.Embedding`` can be gathered whole on use, like any parameter:
 every rank receives the full ``[vocab, dim]`` table (in ``param_dtype``) before the
 lookup, and its gradient, a dense ``[vocab, dim]`` tensor in ``reduce_dtype``, is
 reduce-scattered back. For a language model's input embedding that is the largest
@@ -9,13 +9,13 @@ reduce-scatter of the backward, issued last (nothing to overlap it with either):
 W2 (vocabulary 128256 x 2048) 1.0-1.3 ms and 2.1 ms of each step on 2 H100s, the
 two largest pieces of communication no compute covers.
 
-With ``embedding="exchange"`` the ranks exchange tokens and rows instead of the
-table, inside compiled graphs (rank ``r`` holds rows ``r*c .. r*c+c-1``)::
+Exchanging, the ranks exchange tokens and rows instead of the table, inside
+compiled graphs (rank ``r`` holds rows ``r*c .. r*c+c-1``)::
 
     forward   ids [T] -> all_gather -> [W*T] -> rows this rank holds (others 0)
               -> [W*T, dim] (param_dtype) -> reduce_scatter(sum) -> [T, dim]
     backward  grad [T, dim] -> to(reduce_dtype) -> all_gather -> [W*T, dim]
-              -> index_add into this rank's [c, dim] (its own ids only) -> / W
+              -> summed into this rank's [c, dim] (its own ids only) -> / W
 
 Every output row is one rank's row plus zeros, so the forward is exactly the
 gathered lookup. The gradient is the same sum in another order (each row's
@@ -25,15 +25,27 @@ activation-sized: ``W*T*dim`` instead of ``vocab*dim`` (W2, 8192 tokens per rank
 67 MB of rows and 134 MB of fp32 gradients against a 525 MB table and a 1 GB
 gradient).
 
+The exchange needs every rank to look up the same number of tokens ``T`` in the
+same step. How it is chosen (``graphcomp.shard(..., embedding=)``):
+
+* ``"auto"`` (default): a compiled lookup is traced as the table gather, through
+  the op :func:`gather_table` (the same computation as ``gather_shard``, naming the
+  exchange group), and the dynamo-stage pass ``embedding_exchange``
+  (``passes/embedding_exchange.py``) turns it into the exchange where every rank's
+  first compile of the function looks up the same static number of tokens (agreed
+  through the store, as ``schedule_free``'s keep plan), on NCCL groups
+  (:data:`AUTO_BACKENDS`). Symbolic token counts, ranks that disagree, a backend
+  other than graphcomp, or the pass switched off: the table gather.
+* ``"exchange"``: the pass exchanges every compiled lookup, without agreeing
+  first; ranks whose token counts differ fail with ``RankDivergence`` at the
+  compiled graphs' rank-agreement check instead of exchanging mismatched buffers.
+* ``"gather"``: the table gather.
+
 When it applies: the module's class uses ``nn.Embedding.forward`` (a subclass that
 overrides it is gathered as before), ``max_norm`` is None, ``sparse`` and
 ``scale_grad_by_freq`` are off, the weight is not tied to another module's
-parameter, the sharding is 1-D, and the call is being compiled (``torch.compile``:
-graphcomp's rank-agreement check compares the exchanged byte counts before the
-first step, so ranks whose token shapes differ fail with ``RankDivergence`` instead
-of exchanging mismatched buffers). Eager calls gather the table: the exchange
-needs every rank to look up the same number of tokens, which eager code cannot
-check without a collective. ``shard`` logs which embeddings exchange.
+parameter, the sharding is 1-D over the whole world, and the call is being compiled.
+Eager calls gather the table. ``shard`` logs which embeddings may exchange.
 """
 
 from __future__ import annotations
@@ -43,11 +55,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _compat
+from . import _compat, shard_gather
 
-__all__ = ["EMBEDDING_MODES", "applies", "lookup"]
+__all__ = ["AUTO_BACKENDS", "EMBEDDING_MODES", "applies", "exchange_lookup", "gather_table", "table"]
 
-EMBEDDING_MODES = ("gather", "exchange")
+EMBEDDING_MODES = ("auto", "gather", "exchange")
+"""``graphcomp.shard(..., embedding=)``: the first is the default."""
+
+AUTO_BACKENDS = ("nccl",)
+"""Process-group backends on which ``embedding="auto"`` may exchange: where it was
+measured to pay (W2 on 2 H200s: the table gather and its gradient's reduce-scatter
+leave the step). On gloo a lookup issues three collectives instead of two, each
+bound by per-call latency, so ``"auto"`` gathers there."""
 
 
 def applies(mod: nn.Module, base: type) -> str | None:
@@ -101,17 +120,71 @@ class _Exchange(torch.autograd.Function):
         g = grad.reshape(-1, dim).to(ctx.reduce_dtype).contiguous()
         all_g = _compat.funcol_all_gather(g, ctx.group_name, ctx.world_size)  # [W*T, dim]
         all_g = torch.where(mine.unsqueeze(-1), all_g, 0)
-        gl = all_g.new_zeros(ctx.chunk, dim).index_add(0, idx, all_g) / ctx.world_size
+        # the rows' sums by the lookup's own backward kernel: on CUDA a sorted segment sum,
+        # deterministic (index_add's atomics are not, which broke bitwise-repeatable runs)
+        gl = torch.ops.aten.embedding_dense_backward(all_g, idx, ctx.chunk, -1, False) / ctx.world_size
         return None, gl.to(ctx.orig_dtype), None, None, None, None, None, None, None
 
 
-def lookup(mod: nn.Embedding, ids: torch.Tensor, rank: int, group_name: str) -> torch.Tensor:
-    """``mod(ids)`` by token exchange over ``group_name`` (the exchange group: the same
-    ranks as the weight's, see ``graphcomp.sharding._exchange_group``)."""
+def exchange_lookup(ids: torch.Tensor, local: torch.Tensor, rank: int, chunk: int,
+                    param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, group_name: str, world_size: int,
+                    padding_idx: int | None) -> torch.Tensor:
+    """``F.embedding(ids, table)`` by token exchange over ``group_name`` (the exchange
+    group: the same ranks as the weight's, see ``graphcomp.sharding._exchange_group``).
+    The pass ``embedding_exchange`` puts calls of it in Dynamo's graph; AOTAutograd
+    traces the autograd.Function."""
+    return _Exchange.apply(ids, local, rank, chunk, param_dtype, reduce_dtype, group_name, world_size, padding_idx)
+
+
+@torch.library.custom_op("graphcomp::gather_table", mutates_args=())
+def gather_table(local: torch.Tensor, rows: int, shape: list[int], param_dtype: torch.dtype | None,
+                 reduce_dtype: torch.dtype, group_name: str, world_size: int, exchange_group: str, rank: int,
+                 chunk: int, agree: bool) -> torch.Tensor:
+    """An embedding table's gather that may become a token exchange: ``gather_shard``
+    with the exchange's arguments (``exchange_group``, ``rank``, ``chunk``, and
+    ``agree``: whether the ranks must agree on their token counts first, the
+    ``"auto"`` mode). It computes, differentiates and decomposes exactly as
+    ``gather_shard`` (so a graph the pass leaves alone gathers the table, under any
+    backend); the pass ``embedding_exchange`` replaces the lookups that read it."""
+    return shard_gather.gather_shard(local, rows, shape, param_dtype, reduce_dtype, group_name, world_size)
+
+
+@gather_table.register_fake
+def _gather_table_fake(local, rows, shape, param_dtype, reduce_dtype, group_name, world_size,  # noqa: ANN001
+                       exchange_group, rank, chunk, agree):
+    return local.new_empty(shape, dtype=param_dtype or local.dtype)
+
+
+def _gather_table_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    shard_gather._gather_shard_setup(ctx, inputs[:7], output)
+
+
+def _gather_table_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    # gather_shard's backward, then None for the four exchange arguments
+    return (*shard_gather._reduce_to_shard(ctx, grad), None, None, None, None)
+
+
+gather_table.register_autograd(_gather_table_backward, setup_context=_gather_table_setup)
+
+
+def _gather_table_decomposition(local, rows, shape, param_dtype, reduce_dtype, group_name, world_size,  # noqa: ANN001
+                                exchange_group, rank, chunk, agree):
+    return shard_gather._gather_shard_decomposition(local, rows, shape, param_dtype, reduce_dtype, group_name,
+                                                    world_size)
+
+
+DECOMPOSITIONS = {torch.ops.graphcomp.gather_table.default: _gather_table_decomposition}
+"""What AOTAutograd decomposes (with ``shard_gather.DECOMPOSITIONS``): a table gather
+the pass left alone, into the gather's collectives and views."""
+
+
+def table(mod: nn.Embedding, rank: int, group_name: str, mode: str) -> torch.Tensor:
+    """``mod``'s gathered table as a compiled lookup reads it (:func:`gather_table`);
+    ``mode`` is ``shard``'s ``embedding=`` (``"auto"`` or ``"exchange"``)."""
     from .shard_layout import _INFO_ATTR, _dtensor_cls
 
     param = mod._parameters["weight"]
     info = mod.__dict__[_INFO_ATTR]["weight"]
     local = param.to_local() if isinstance(param, _dtensor_cls()) else param
-    return _Exchange.apply(ids, local, rank, info.chunk, info.param_dtype, info.reduce_dtype, group_name,
-                           info.world_size, mod.padding_idx)
+    return gather_table(local, info.rows, list(info.shape), info.param_dtype, info.reduce_dtype, info.group_name,
+                        info.world_size, group_name, rank, info.chunk, mode == "auto")

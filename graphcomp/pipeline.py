@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 STAGES = ("dynamo", "joint", "fwd", "bwd", "inference")
 
 PASS_ORDER: tuple[str, ...] = (
+    "embedding_exchange",       # dynamo: sharded embedding lookups exchange tokens (ranks agree)
     "chunk_lm_loss",            # dynamo: linear + cross-entropy -> chunked op
     "fuse_allgather_downcast",  # joint: cast shards before gathering
     "fuse_grad_upcast",         # joint: weight-gradient matmuls write fp32 (CUDA)

@@ -10,11 +10,13 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
 * ``pass_registry`` -- the passes the pipeline runs (built once from
   ``graphcomp.pipeline.PASS_ORDER``; kept by ``reset()``);
 * ``shard_groups`` -- the groups ``graphcomp.shard`` shards over (kept by ``reset()``);
-* ``exchange_groups`` -- the groups of ``shard(embedding="exchange")``'s token
+* ``exchange_groups`` -- the groups of ``shard(embedding="auto" | "exchange")``'s token
   exchange (kept by ``reset()``; not parameter collectives: the passes leave them alone);
 * ``shape_following_code`` -- Dynamo ids of functions compiled with dynamic shapes;
 * ``kept_gather_bytes``, ``keep_plans`` -- gathered bytes each compiled function keeps
   for its backward, and which (``schedule_free``'s ``reshard_after_forward="auto"``);
+* ``exchange_plans`` -- the token counts whose embedding lookups exchange in each
+  function (``embedding_exchange``: agreed at its first compile, reused by its recompiles);
 * ``defer_plans`` -- how many reduce-scatters ``defer_weight_grads`` moves in each
   function's backward (agreed at its first compile, reused by its recompiles);
 * ``agree_seq`` -- rank-agreement numbering (``graphcomp.agreement``; kept by ``reset()``);
@@ -125,6 +127,9 @@ class Session:
         # ... and the plan itself, per (function, digest of its gathers' sizes): the kept
         # group indices, decided at its first compile and reused by recompiles
         self.keep_plans: dict[Any, frozenset[int]] = {}
+        # function (Dynamo code id) -> the (exchange group, token count) pairs its first
+        # compile's ranks agreed to exchange (pass embedding_exchange; recompiles reuse it)
+        self.exchange_plans: dict[Any, frozenset[tuple[str, int]]] = {}
         # defer_weight_grads: per (function, digest of its reduce-scatters' sizes), how many
         # reduce-scatters the last one is moved ahead of, agreed at its first compile
         self.defer_plans: dict[Any, int] = {}
@@ -149,6 +154,7 @@ class Session:
         self.shape_following_code.clear()
         self.kept_gather_bytes.clear()
         self.keep_plans.clear()
+        self.exchange_plans.clear()
         self.defer_plans.clear()
         self.dump_target = None
 

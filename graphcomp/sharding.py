@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 from . import _compat, embedding_exchange, gather_scope, gloo_groups, guard_filter, mesh_sharding
 from .shard_gather import _GatherParam, gather, gather_local, reduce_grad  # noqa: F401 (re-exported)
@@ -109,7 +110,9 @@ def _sharded_class(base: type, names: tuple[str, ...], exchange: bool = False) -
     if exchange:
         def forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
             if torch.compiler.is_compiling():
-                return embedding_exchange.lookup(self, input, *self.__dict__["_graphcomp_exchange"])
+                # the table gather, as an op the pass embedding_exchange may turn into the exchange
+                w = embedding_exchange.table(self, *self.__dict__["_graphcomp_exchange"])
+                return F.embedding(input, w, self.padding_idx)
             return base.forward(self, input)
 
         ns["forward"] = forward
@@ -241,7 +244,7 @@ def shard(
     dp_dim: str | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
-    embedding: str = "gather",
+    embedding: str = "auto",
 ) -> nn.Module:
     """Shard every parameter of ``model`` along dim 0 over ``group`` (default:
     the world), in place; returns ``model``.
@@ -260,11 +263,13 @@ def shard(
     Reading ``module.weight`` returns the gathered full tensor (a fresh tensor:
     writing into it does not change the shard); see the module docstring.
 
-    ``embedding``: ``"gather"`` (default) gathers an ``nn.Embedding``'s table on use
-    like any parameter; ``"exchange"`` makes compiled lookups exchange tokens and
-    rows instead (activation-sized collectives, no table gather and no table-sized
-    gradient reduce-scatter; every rank must look up the same number of tokens), for
-    the embeddings it applies to (see ``graphcomp.embedding_exchange``).
+    ``embedding``: how a compiled ``nn.Embedding`` lookup reaches the table (see
+    ``graphcomp.embedding_exchange``). ``"auto"`` (default): it exchanges tokens and
+    rows (activation-sized collectives, no table gather and no table-sized gradient
+    reduce-scatter) where every rank's first compile looks up the same static number
+    of tokens, on NCCL groups, and gathers the table otherwise; ``"exchange"``: it
+    always exchanges (ranks with different token counts raise ``RankDivergence``);
+    ``"gather"``: it gathers the table on use like any parameter.
     """
     if embedding not in embedding_exchange.EMBEDDING_MODES:
         raise ValueError(f"graphcomp.shard: embedding={embedding!r}; valid: "
@@ -346,25 +351,26 @@ def shard(
     for mod, infos in per_module.values():
         mod.__dict__[_INFO_ATTR] = infos
         exchange = False
-        if embedding == "exchange" and "weight" in infos:
-            why = _exchange_refusal(mod, infos["weight"], per_module, two_d, group)
+        if embedding != "gather" and "weight" in infos:
+            why = _exchange_refusal(mod, infos["weight"], per_module, two_d, group, embedding)
             exchange = why is None
             if exchange:
                 if xname is None:
                     xname = _exchange_group(group, device)
-                mod.__dict__["_graphcomp_exchange"] = (rank, xname)
+                mod.__dict__["_graphcomp_exchange"] = (rank, xname, embedding)
                 exchanging.append(infos["weight"].fqn)
             elif isinstance(mod, nn.Embedding):
-                log.info("graphcomp.shard: embedding %s gathers its table (embedding='exchange' does not apply: %s)",
-                         infos["weight"].fqn, why)
+                log.info("graphcomp.shard: embedding %s gathers its table (embedding=%r does not apply: %s)",
+                         infos["weight"].fqn, embedding, why)
         mod.__class__ = _sharded_class(type(mod), tuple(sorted(infos)), exchange)
         gather_scope.install(mod, infos, exchange)
         mod.register_state_dict_post_hook(_state_dict_post_hook)
         mod.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     mesh_sharding.register(group_name, two_d)
     if exchanging:
-        log.info("graphcomp.shard: embedding='exchange': compiled lookups of %s exchange tokens instead of "
-                 "gathering the table", ", ".join(exchanging))
+        log.info("graphcomp.shard: embedding=%r: compiled lookups of %s exchange tokens instead of gathering "
+                 "the table%s", embedding, ", ".join(exchanging),
+                 " where the ranks' first compile agrees on their token counts" if embedding == "auto" else "")
 
     log.info(
         "graphcomp.shard: %d parameters (%d bytes) sharded over %d ranks of group %s; %d bytes per rank, "
@@ -375,10 +381,15 @@ def shard(
 
 
 def _exchange_refusal(mod: nn.Module, info: ShardInfo, per_module: dict[int, tuple[nn.Module, dict[str, ShardInfo]]],
-                      two_d: bool, group: Any) -> str | None:
-    """Why ``mod``'s weight (``info``) cannot use ``embedding="exchange"``, or None.
-    A tied weight is one ShardInfo in more than one module."""
+                      two_d: bool, group: Any, mode: str = "exchange") -> str | None:
+    """Why ``mod``'s weight (``info``) cannot exchange tokens under ``embedding=mode``,
+    or None. A tied weight is one ShardInfo in more than one module."""
     why = embedding_exchange.applies(mod, type(mod))
+    if why is None and mode == "auto":
+        backend = str(dist.get_backend(group)).lower()  # ("cpu:gloo,cuda:nccl" for a group of two backends)
+        if not set(backend.replace(",", ":").split(":")) & set(embedding_exchange.AUTO_BACKENDS):
+            why = (f"process-group backend {backend!r} (embedding='auto' exchanges on "
+                   f"{', '.join(embedding_exchange.AUTO_BACKENDS)} only)")
     if why is None and two_d:
         why = "2-D (tensor-parallel) sharding"
     if why is None and info.world_size < 2:

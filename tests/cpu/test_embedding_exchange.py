@@ -6,7 +6,12 @@ with the exchange (fp32: the forward and the first gradients are the same number
 bf16: the losses agree to bf16 noise), the table's gather gone from the compiled
 graphs, padding_idx rows without gradient, tied and overridden embeddings left to
 the table gather, eager calls unchanged, and ranks that look up different numbers
-of tokens failing with RankDivergence instead of exchanging mismatched buffers."""
+of tokens failing with RankDivergence instead of exchanging mismatched buffers.
+
+``embedding="auto"`` (the default): gloo groups gather; with gloo admitted
+(``AUTO_BACKENDS``), ranks that look up the same number of tokens exchange, ranks
+that differ at the first compile gather (no error), a recompile for a count the
+first compile did not agree gathers on every rank, symbolic counts gather."""
 
 import time
 
@@ -164,5 +169,84 @@ def test_ranks_with_different_token_counts_raise_instead_of_exchanging():
 def test_bad_mode_names_the_valid_ones():
     import graphcomp
 
-    with pytest.raises(ValueError, match=r"embedding='table'; valid: 'gather', 'exchange'"):
+    with pytest.raises(ValueError, match=r"embedding='table'; valid: 'auto', 'gather', 'exchange'"):
         graphcomp.shard(nn.Embedding(4, 2), embedding="table")
+
+
+def _auto(rank, world, seqs, admit_gloo=True, dynamic=None):
+    """The tiny Llama under ``embedding="auto"`` (eager codegen, fp32), one step per
+    entry of ``seqs`` (this rank's sequence length at that step: ``seqs[i][rank]``)."""
+    import graphcomp
+    from graphcomp import embedding_exchange
+    from graphcomp.models import Llama, synthetic_batch
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+    if admit_gloo:
+        embedding_exchange.AUTO_BACKENDS = ("nccl", "gloo")
+    torch.manual_seed(0)
+    m = Llama("tiny")
+    graphcomp.shard(m)  # embedding="auto"
+    cm = torch.compile(m, backend="graphcomp", dynamic=dynamic, options={"codegen": "eager"})
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses, exchanged, skipped = [], [], []
+    for step, lens in enumerate(seqs):
+        before = graphcomp.counters["embedding_lookups_exchanged"]
+        tok, tgt = synthetic_batch(m.cfg, 2, lens[rank], seed=step + 10 * rank)
+        loss = cm(tok, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        exchanged.append(graphcomp.counters["embedding_lookups_exchanged"] - before)
+    for f in graphcomp.session.SESSION.frames:
+        for stage in f.stages.values():
+            for p in stage.get("passes", []):
+                if p["name"] == "embedding_exchange":
+                    skipped.append({k: v for k, v in p.get("counts", {}).items() if k.startswith("skipped:")})
+    params = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+    return {"losses": losses, "exchanged": exchanged, "skipped": skipped, "params": params,
+            "may_exchange": m.tok_emb.__dict__.get("_graphcomp_exchange") is not None}
+
+
+def test_auto_gathers_on_gloo(ranks2):
+    for r in ranks2.run(_auto, [(16, 16)], False):
+        assert not r["may_exchange"] and r["exchanged"] == [0], r
+
+
+def test_auto_exchanges_when_the_ranks_agree(ranks2):
+    auto = ranks2.run(_auto, [(16, 16), (16, 16)])
+    exch = ranks2.run(_train, "exchange", None, 2, "eager")
+    for a, x in zip(auto, exch):
+        assert a["may_exchange"] and a["exchanged"] == [1, 0], a["skipped"]  # compiled once, exchanging
+        assert a["losses"] == x["losses"]  # the same graph as embedding="exchange": bitwise
+        for n in x["params"]:
+            assert torch.equal(a["params"][n], x["params"][n]), n
+
+
+def test_auto_gathers_when_the_ranks_differ_and_for_counts_not_agreed(ranks2):
+    # step 1: 16 vs 8 tokens per sequence at the first compile (no error: the table gather);
+    # steps 2-3: equal counts, a recompile each (new shapes; Dynamo's automatic dynamic
+    # makes the second one symbolic): never agreed at the first compile, so gathered
+    auto = ranks2.run(_auto, [(16, 8), (12, 12), (10, 10)])
+    gather = ranks2.run(_auto, [(16, 8), (12, 12), (10, 10)], False)
+    for a, g in zip(auto, gather):
+        assert a["exchanged"] == [0, 0, 0], a
+        assert a["losses"] == g["losses"]  # the table gather's numbers, bitwise
+        for n in g["params"]:
+            assert torch.equal(a["params"][n], g["params"][n]), n
+        counts = {}
+        for d in a["skipped"]:
+            for k, v in d.items():
+                counts[k] = counts.get(k, 0) + v
+        assert counts.get("skipped:ranks_differ", 0) == 1, a["skipped"]
+        assert counts.get("skipped:not_agreed", 0) + counts.get("skipped:symbolic_tokens", 0) == 2, a["skipped"]
+
+
+def test_auto_recompile_reuses_the_agreed_count_and_symbolic_gathers(ranks2):
+    # agreed at 16; a step at 8 recompiles and gathers; back at 16 the first graph runs
+    for r in ranks2.run(_auto, [(16, 16), (8, 8), (16, 16)]):
+        assert r["exchanged"] == [1, 0, 0], r
+    for r in ranks2.run(_auto, [(16, 16)], True, True):  # dynamic=True: symbolic token counts
+        assert r["exchanged"] == [0], r
+        assert any(d.get("skipped:symbolic_tokens") for d in r["skipped"]), r["skipped"]

@@ -52,14 +52,16 @@ class _Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
 
 
-def _model(preset: str, seed: int = 0, checkpoint: bool = False, param_dtype=None) -> torch.nn.Module:
+def _model(preset: str, seed: int = 0, checkpoint: bool = False, param_dtype=None,
+           embedding: str | None = None) -> torch.nn.Module:
     torch.manual_seed(seed)
     m = Llama(preset).cuda()
     m.reset_parameters(seed=seed)
     if checkpoint:
         for i, blk in enumerate(list(m.layers)):
             m.layers[i] = _Checkpointed(blk)
-    graphcomp.shard(m, **({} if param_dtype is None else {"param_dtype": param_dtype}))
+    kw = {} if param_dtype is None else {"param_dtype": param_dtype}
+    graphcomp.shard(m, **kw, **({} if embedding is None else {"embedding": embedding}))
     return m
 
 
@@ -72,11 +74,13 @@ def _pool_reserved() -> int:
 
 
 def _train(preset, options, steps, batch, seq, micro=1, interleaved=False, set_to_none=None, fused_adam=False,
-           checkpoint=False, param_dtype=None, captured_opt=None):
+           checkpoint=False, param_dtype=None, captured_opt=None, embedding=None):
     """``set_to_none``: zero_grad's argument every step (None: alternate True/False);
-    ``checkpoint``: every block under ``torch.utils.checkpoint``."""
+    ``checkpoint``: every block under ``torch.utils.checkpoint``; ``embedding``:
+    ``graphcomp.shard``'s (None: its default, which exchanges the tiny Llama's
+    lookups on NCCL)."""
     torch._dynamo.reset()
-    m = _model(preset, checkpoint=checkpoint, param_dtype=param_dtype)
+    m = _model(preset, checkpoint=checkpoint, param_dtype=param_dtype, embedding=embedding)
     cm = torch.compile(m, backend="graphcomp", options=options)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, **({"fused": True} if fused_adam else {}))
     # captured_opt: graphcomp.optim.capture's options; its step replaces opt.step()
@@ -323,6 +327,23 @@ def scenario_avg(out):
     return res
 
 
+def scenario_exchange(out):
+    """``embedding="auto"`` (the default) on NCCL with CUDA graphs: the sharded tiny Llama
+    (fp32, every rank the same token count, so its lookups exchange) against
+    ``embedding="gather"``, 10 AdamW steps, eager codegen and Inductor."""
+    base = {"prefetch_bytes": 2048, "bucket_bytes": 12288}
+    res = {}
+    for codegen in ("eager", "inductor"):
+        runs = {}
+        for name, emb in (("off", "gather"), ("on", None)):
+            graphcomp.reset()
+            runs[name] = _train("tiny", {**base, "codegen": codegen}, 10, 2, 32, set_to_none=True, embedding=emb)
+            graphcomp.runtime.teardown()
+        _compare(res, codegen, runs["on"], runs["off"])
+        res[f"{codegen}_first_loss_equal"] = runs["on"]["losses"][0] == runs["off"]["losses"][0]
+    return res
+
+
 def scenario_prefetch(out):
     """Cross-step prefetch on NCCL with CUDA graphs: the sharded tiny Llama (bf16 gathers,
     the table gathered alone), fused AdamW through graphcomp.optim.capture (clip 1.0,
@@ -334,7 +355,7 @@ def scenario_prefetch(out):
         for name in ("off", "on"):
             graphcomp.reset()
             runs[name] = _train("tiny", {**base, "codegen": codegen}, 10, 2, 32, set_to_none=True,
-                                param_dtype=torch.bfloat16, fused_adam=True,
+                                param_dtype=torch.bfloat16, fused_adam=True, embedding="gather",
                                 captured_opt={"max_norm": 1.0, "prefetch": name == "on"})
             graphcomp.runtime.teardown()
         _compare(res, codegen, runs["on"], runs["off"])
@@ -354,11 +375,12 @@ def main():
     rank = dist.get_rank()
     res = {"train": scenario_train, "memory": scenario_memory, "regions": scenario_regions,
            "defer": scenario_defer, "avg": scenario_avg, "prefetch": scenario_prefetch,
+           "exchange": scenario_exchange,
            "exit": scenario_exit}[scenario](outdir)
     res["world"] = dist.get_world_size()
     with open(os.path.join(outdir, f"{scenario}.rank{rank}.json"), "w") as f:
         json.dump(res, f, default=str)
-    if scenario in ("train", "memory", "regions", "defer", "avg", "prefetch"):
+    if scenario in ("train", "memory", "regions", "defer", "avg", "prefetch", "exchange"):
         graphcomp.runtime.teardown()  # always before destroy_process_group
     dist.destroy_process_group()  # "exit": graphs still alive here; the wrapped destroy releases them
 

@@ -45,6 +45,7 @@ run upcast 150 python -m pytest -q -p no:cacheprovider -s tests/gpu/test_grad_up
 GRAPHCOMP_LOG=INFO GRAPHCOMP_GPU_RESULTS="$OUT" run regions2 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k compile_regions
 GRAPHCOMP_GPU_RESULTS="$OUT" run defer2 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k defer_weight_grads
 GRAPHCOMP_GPU_RESULTS="$OUT" run avg2 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k avg_reduce_scatter
+GRAPHCOMP_GPU_RESULTS="$OUT" run exchange2 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k embedding_auto
 GRAPHCOMP_GPU_RESULTS="$OUT" run prefetch2 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k cross_step_prefetch
 run ckpt 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k checkpointed
 GRAPHCOMP_GPU_RESULTS="$OUT" run optim1 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k 1gpu

@@ -323,6 +323,37 @@ def _parity_checks(r, cg):
 
 
 @pytest.mark.parametrize("nproc", [2])
+def test_embedding_auto_exchanges_on_nccl(nproc, tmp_path):
+    """``shard(embedding="auto")``, the default, on 2 GPUs: the tiny Llama's lookups
+    exchange tokens (the ranks agree on their token counts at the first compile) and
+    train as ``embedding="gather"`` does, CUDA graphs on, 10 AdamW steps in fp32. The
+    forward is the same numbers (first loss bitwise); the table's gradient is the same
+    sum in another order: first-step gradients within 1e-5 of each gradient's largest
+    element, losses within 1e-4, parameters within 1e-2 of the largest (AdamW moves
+    near-zero-gradient elements by up to lr). Captured, no fallback; the gather run
+    exchanges nothing."""
+    if _ngpu() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    results = _torchrun(nproc, "exchange", tmp_path, timeout=300)
+    for r in results:
+        checks = {}
+        for cg in ("eager", "inductor"):
+            on, off = r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]
+            checks.update({
+                f"{cg}: first loss bitwise": r[f"{cg}_first_loss_equal"],
+                f"{cg}: first-step gradients within 1e-5": r[f"{cg}_grad_max_rel"] <= 1e-5,
+                f"{cg}: losses within 1e-4": r[f"{cg}_loss_max_rel"] <= 1e-4,
+                f"{cg}: params within 1e-2": r[f"{cg}_param_max_rel"] <= 1e-2,
+                f"{cg}: lookups exchanged": on.get("embedding_lookups_exchanged", 0) >= 1,
+                f"{cg}: gather run exchanges none": off.get("embedding_lookups_exchanged", 0) == 0,
+                f"{cg}: captured, no fallback": on.get("captures", 0) >= 2 and on.get("cudagraph_fallbacks", 0) == 0
+                and on.get("capture_failures", 0) == 0,
+            })
+        failed = [k for k, ok in checks.items() if not ok]
+        assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k})
+
+
+@pytest.mark.parametrize("nproc", [2])
 def test_avg_reduce_scatter_bitwise_on_nccl(nproc, tmp_path):
     """``avg_reduce_scatter`` on 2 GPUs (NCCL ``avg`` pre-scales by 1/2, exact): the
     sharded tiny Llama with bf16 gathers and fp32 gradients, CUDA graphs on, 10 AdamW
