@@ -14,7 +14,7 @@ compiled graphs (rank ``r`` holds rows ``r*c .. r*c+c-1``)::
 
     forward   ids [T] -> all_gather -> [W*T] -> rows this rank holds (others 0)
               -> [W*T, dim] (param_dtype) -> reduce_scatter(sum) -> [T, dim]
-    backward  grad [T, dim] -> to(reduce_dtype) -> all_gather -> [W*T, dim]
+    backward  grad [T, dim] -> all_gather -> [W*T, dim] -> to(reduce_dtype)
               -> summed into this rank's [c, dim] (its own ids only) -> / W
 
 Every output row is one rank's row plus zeros, so the forward is exactly the
@@ -22,8 +22,9 @@ gathered lookup. The gradient is the same sum in another order (each row's
 contributions are added on the rank that holds it, in ``reduce_dtype``) and
 ``padding_idx`` rows get none, as with ``F.embedding``. The bytes on the wire are
 activation-sized: ``W*T*dim`` instead of ``vocab*dim`` (W2, 8192 tokens per rank:
-67 MB of rows and 134 MB of fp32 gradients against a 525 MB table and a 1 GB
-gradient).
+67 MB of bf16 rows and 67 MB of bf16 output gradients against a 525 MB table and a
+1 GB fp32 gradient). The output gradients are gathered in their own dtype and upcast
+to ``reduce_dtype`` after the gather (exact: every bf16 value is an fp32 value).
 
 The exchange needs every rank to look up the same number of tokens ``T`` in the
 same step. How it is chosen (``graphcomp.shard(..., embedding=)``):
@@ -117,13 +118,24 @@ class _Exchange(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         idx, mine = ctx.saved_tensors
         dim = grad.shape[-1]
-        g = grad.reshape(-1, dim).to(ctx.reduce_dtype).contiguous()
+        g = grad.reshape(-1, dim).contiguous()
+        if not _narrower(g.dtype, ctx.reduce_dtype):
+            g = g.to(ctx.reduce_dtype)  # (an upcast is exact: it is done after the gather, on half the bytes)
         all_g = _compat.funcol_all_gather(g, ctx.group_name, ctx.world_size)  # [W*T, dim]
-        all_g = torch.where(mine.unsqueeze(-1), all_g, 0)
+        all_g = torch.where(mine.unsqueeze(-1), all_g.to(ctx.reduce_dtype), 0)
         # the rows' sums by the lookup's own backward kernel: on CUDA a sorted segment sum,
         # deterministic (index_add's atomics are not, which broke bitwise-repeatable runs)
         gl = torch.ops.aten.embedding_dense_backward(all_g, idx, ctx.chunk, -1, False) / ctx.world_size
         return None, gl.to(ctx.orig_dtype), None, None, None, None, None, None, None
+
+
+def _narrower(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether every value of float dtype ``a`` is exactly a value of the wider float ``b``
+    (bf16 / fp16 -> fp32 / fp64, fp32 -> fp64)."""
+    if not (a.is_floating_point and b.is_floating_point) or a == b:
+        return False
+    fa, fb = torch.finfo(a), torch.finfo(b)
+    return fa.bits < fb.bits and fa.eps >= fb.eps and fa.max <= fb.max and fa.tiny >= fb.tiny
 
 
 def exchange_lookup(ids: torch.Tensor, local: torch.Tensor, rank: int, chunk: int,

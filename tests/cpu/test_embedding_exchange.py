@@ -44,8 +44,10 @@ def _train(rank, world, mode, pdt, steps=3, codegen="inductor"):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     params = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+    foreign = [(st, c["kind"], c["dtype"]) for f in graphcomp.session.SESSION.frames
+               for st, d in f.stages.items() for c in d.get("collectives", []) if c.get("foreign")]
     return {"losses": losses, "grad0": grad0, "params": params, "counters": dict(graphcomp.counters),
-            "exchange": m.tok_emb.__dict__.get("_graphcomp_exchange") is not None}
+            "exchange": m.tok_emb.__dict__.get("_graphcomp_exchange") is not None, "foreign": foreign}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,11 @@ def test_bf16_exchange_trains_as_the_table_gather(ranks2):
         # the lookup's rows are the same bf16 numbers; Inductor fuses the graph
         # around them differently, and the table's gradient is summed in fp32
         assert x["losses"] == pytest.approx(g["losses"], rel=2e-3)
+        # the exchange's collectives: ids, bf16 rows; the backward gathers the bf16 output
+        # gradients (upcast after the gather, exact: half the bytes of fp32)
+        assert sorted(f for f in set(x["foreign"]) if f[0] != "joint") == [
+            ("bwd", "all_gather", "bfloat16"), ("fwd", "all_gather", "int64"),
+            ("fwd", "reduce_scatter", "bfloat16")], x["foreign"]
         torch.testing.assert_close(x["grad0"]["tok_emb.weight"], g["grad0"]["tok_emb.weight"], rtol=2e-2, atol=2e-3)
 
 
