@@ -180,7 +180,7 @@ def test_bad_mode_names_the_valid_ones():
         graphcomp.shard(nn.Embedding(4, 2), embedding="table")
 
 
-def _auto(rank, world, seqs, admit_gloo=True, dynamic=None):
+def _auto(rank, world, seqs, admit_gloo=True, dynamic=None, options=None):
     """The tiny Llama under ``embedding="auto"`` (eager codegen, fp32), one step per
     entry of ``seqs`` (this rank's sequence length at that step: ``seqs[i][rank]``)."""
     import graphcomp
@@ -194,7 +194,7 @@ def _auto(rank, world, seqs, admit_gloo=True, dynamic=None):
     torch.manual_seed(0)
     m = Llama("tiny")
     graphcomp.shard(m)  # embedding="auto"
-    cm = torch.compile(m, backend="graphcomp", dynamic=dynamic, options={"codegen": "eager"})
+    cm = torch.compile(m, backend="graphcomp", dynamic=dynamic, options={"codegen": "eager", **(options or {})})
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     losses, exchanged, skipped = [], [], []
     for step, lens in enumerate(seqs):
@@ -213,6 +213,7 @@ def _auto(rank, world, seqs, admit_gloo=True, dynamic=None):
                     skipped.append({k: v for k, v in p.get("counts", {}).items() if k.startswith("skipped:")})
     params = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
     return {"losses": losses, "exchanged": exchanged, "skipped": skipped, "params": params,
+            "regions": graphcomp.counters["regions"],
             "may_exchange": m.tok_emb.__dict__.get("_graphcomp_exchange") is not None}
 
 
@@ -257,3 +258,15 @@ def test_auto_recompile_reuses_the_agreed_count_and_symbolic_gathers(ranks2):
     for r in ranks2.run(_auto, [(16, 16)], True, True):  # dynamic=True: symbolic token counts
         assert r["exchanged"] == [0], r
         assert any(d.get("skipped:symbolic_tokens") for d in r["skipped"]), r["skipped"]
+
+
+def test_auto_exchanges_under_regional_compilation(ranks2):
+    # compile_regions cuts the graph after the dynamo-stage passes: the exchange is in
+    # the first region; the whole graph's exchange numbers (eager codegen) to fp32 rounding
+    ind = {"codegen": "inductor", "prefetch_bytes": 2048}  # (regions are Inductor pieces)
+    reg = ranks2.run(_auto, [(16, 16), (16, 16)], True, None, {**ind, "compile_regions": True, "region_min_nodes": 8})
+    whole = ranks2.run(_auto, [(16, 16), (16, 16)])  # (eager codegen: one Inductor compile less)
+    for r, w in zip(reg, whole):
+        assert r["exchanged"] == [1, 0] and r["regions"] > 1, (r["skipped"], r["regions"])
+        assert w["exchanged"] == [1, 0] and w["regions"] == 0, (w["skipped"], w["regions"])
+        assert r["losses"] == pytest.approx(w["losses"], rel=1e-5)
