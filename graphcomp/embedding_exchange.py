@@ -84,7 +84,8 @@ def applies(mod: nn.Module, base: type) -> str | None:
 
 
 class _Exchange(torch.autograd.Function):
-    """See the module docstring (plain arguments: Dynamo traces them as constants)."""
+    """The token exchange (see the module docstring). Called by :func:`exchange_lookup`,
+    which the pass puts in Dynamo's graph: AOTAutograd traces its forward and backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -127,7 +127,7 @@ class Session:
         # ... and the plan itself, per (function, digest of its gathers' sizes): the kept
         # group indices, decided at its first compile and reused by recompiles
         self.keep_plans: dict[Any, frozenset[int]] = {}
-        # function (Dynamo code id) -> the (exchange group, token count) pairs its first
+        # function ((agreement epoch, Dynamo code id)) -> the (exchange group, token count) pairs its first
         # compile's ranks agreed to exchange (pass embedding_exchange; recompiles reuse it)
         self.exchange_plans: dict[Any, frozenset[tuple[str, int]]] = {}
         # defer_weight_grads: per (function, digest of its reduce-scatters' sizes), how many

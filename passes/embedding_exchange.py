@@ -113,7 +113,9 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             by_group.setdefault(c[1].args[7], []).append(c)
         else:
             chosen.append((c[1], c[2]))
-    key = ctx.frame.code_id
+    code = ctx.frame.code_id
+    # (the agreement's epoch: after torch._dynamo.reset() Dynamo numbers functions from 0 again)
+    key = None if code is None else (SESSION.agree_seq.get("epoch", 0), code)
     prior = SESSION.exchange_plans.get(key) if key is not None else None
     for xgroup, cs in sorted(by_group.items()):
         static = [c for c in cs if c[3] is not None]
@@ -129,7 +131,7 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             items = [f"{c[0]}:{c[3]}" for c in static]
             digest = f"{len(cs)} lookups of gathered tables"
-            got = agreement.agree_kept(xgroup, str(key), digest, items, len(cs), ctx.config,
+            got = agreement.agree_kept(xgroup, str(code), digest, items, len(cs), ctx.config,
                                        plan="the token counts of its embedding lookups (embedding='auto')",
                                        counted="lookups", namespace="exchange",
                                        about=f"looks up {', '.join(items)} (lookup: tokens).")

@@ -234,12 +234,12 @@ def test_auto_exchanges_when_the_ranks_agree(ranks2):
 
 def test_auto_gathers_when_the_ranks_differ_and_for_counts_not_agreed(ranks2):
     # step 1: 16 vs 8 tokens per sequence at the first compile (no error: the table gather);
-    # steps 2-3: equal counts, a recompile each (new shapes; Dynamo's automatic dynamic
-    # makes the second one symbolic): never agreed at the first compile, so gathered
-    auto = ranks2.run(_auto, [(16, 8), (12, 12), (10, 10)])
-    gather = ranks2.run(_auto, [(16, 8), (12, 12), (10, 10)], False)
+    # step 2: equal counts, a recompile (new shapes; on rank 1 Dynamo's automatic dynamic
+    # may make it symbolic): never agreed at the first compile, so gathered
+    auto = ranks2.run(_auto, [(16, 8), (12, 12)])
+    gather = ranks2.run(_auto, [(16, 8), (12, 12)], False)
     for a, g in zip(auto, gather):
-        assert a["exchanged"] == [0, 0, 0], a
+        assert a["exchanged"] == [0, 0], a
         assert a["losses"] == g["losses"]  # the table gather's numbers, bitwise
         for n in g["params"]:
             assert torch.equal(a["params"][n], g["params"][n]), n
@@ -248,7 +248,7 @@ def test_auto_gathers_when_the_ranks_differ_and_for_counts_not_agreed(ranks2):
             for k, v in d.items():
                 counts[k] = counts.get(k, 0) + v
         assert counts.get("skipped:ranks_differ", 0) == 1, a["skipped"]
-        assert counts.get("skipped:not_agreed", 0) + counts.get("skipped:symbolic_tokens", 0) == 2, a["skipped"]
+        assert counts.get("skipped:not_agreed", 0) + counts.get("skipped:symbolic_tokens", 0) == 1, a["skipped"]
 
 
 def test_auto_recompile_reuses_the_agreed_count_and_symbolic_gathers(ranks2):
