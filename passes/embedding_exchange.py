@@ -81,6 +81,11 @@ def _tokens(lookup: fx.Node) -> int | None:
     return n
 
 
+def _skip(ctx: PassContext, why: str, n: int) -> None:
+    if n:
+        ctx.count(f"skipped:{why}", n)
+
+
 def _exchange(gm: fx.GraphModule, table: fx.Node, lookup: fx.Node) -> None:
     local, _rows, _shape, pdt, rdt, _group, world, xgroup, rank, chunk, _agree = table.args
     padding_idx = lookup.args[2] if len(lookup.args) > 2 else None
@@ -100,9 +105,12 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # (index, table, lookup, tokens) of every candidate, in graph order (the same on every rank)
     cands: list[tuple[int, fx.Node, fx.Node, int | None]] = []
     for t in tables:
+        if len(t.args) != 11 or t.kwargs:  # (the op's schema has 11 arguments, passed positionally)
+            _skip(ctx, "unexpected_form", 1)
+            continue
         lookups = _lookups(t)
         if lookups is None:
-            ctx.count("skipped:other_reader")
+            _skip(ctx, "other_reader", 1)
             continue
         cands.extend((len(cands), t, lk, _tokens(lk)) for lk in lookups)
     chosen: list[tuple[fx.Node, fx.Node]] = []
@@ -119,14 +127,14 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     prior = SESSION.exchange_plans.get(key) if key is not None else None
     for xgroup, cs in sorted(by_group.items()):
         static = [c for c in cs if c[3] is not None]
-        ctx.count("skipped:symbolic_tokens", len(cs) - len(static))
+        _skip(ctx, "symbolic_tokens", len(cs) - len(static))
         if not static:
             continue
         if prior is not None:
             ok = [c for c in static if (xgroup, c[3]) in prior]
-            ctx.count("skipped:not_agreed", len(static) - len(ok))
+            _skip(ctx, "not_agreed", len(static) - len(ok))
         elif not ctx.config.rank_agreement or key is None:
-            ctx.count("skipped:no_agreement", len(static))
+            _skip(ctx, "no_agreement", len(static))
             continue
         else:
             items = [f"{c[0]}:{c[3]}" for c in static]
@@ -136,7 +144,7 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                        counted="lookups", namespace="exchange",
                                        about=f"looks up {', '.join(items)} (lookup: tokens).")
             ok = [c for c in static if f"{c[0]}:{c[3]}" in set(got)]
-            ctx.count("skipped:ranks_differ", len(static) - len(ok))
+            _skip(ctx, "ranks_differ", len(static) - len(ok))
             agreed_here.setdefault(xgroup, set()).update(c[3] for c in ok)
         chosen.extend((c[1], c[2]) for c in ok)
     if key is not None and prior is None and by_group:
