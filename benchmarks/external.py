@@ -400,6 +400,15 @@ def build_graphcomp_remat_auto(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"remat": "auto"})
 
 
+def build_graphcomp_remat_auto_gather(ctx: Ctx) -> Built:
+    """``graphcomp-remat_auto`` with the input embedding's table gathered
+    (``shard(..., embedding="gather")``): the table-gather row for workloads that run
+    ``remat="auto"`` (W3), as ``graphcomp-no_embedding_exchange`` is for the defaults."""
+    if ctx.tp > 1:
+        raise NotRun("embedding= applies to 1-D sharding only (--tp 1)")
+    return build_graphcomp(ctx, options={"remat": "auto"}, embedding="gather")
+
+
 def build_graphcomp_bucket256(ctx: Ctx) -> Built:
     """graphcomp with ``bucket_bytes`` at 256 MiB (default 64): fewer, larger buckets.
     On W2 the default cuts each block's fp32 gradients (about 360 MB) into four or five
@@ -555,6 +564,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-wire150": build_graphcomp_wire150,
     "graphcomp-rs512": build_graphcomp_rs512,
     "graphcomp-remat_auto-rs256": build_graphcomp_remat_auto_rs256,
+    "graphcomp-remat_auto-gather": build_graphcomp_remat_auto_gather,
     "graphcomp-compile_regions": build_graphcomp_compile_regions,
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-whole_step-flat_buckets": build_graphcomp_whole_step_flat_buckets,
