@@ -307,19 +307,36 @@ def test_defer_weight_grads_bitwise_on_nccl_with_cuda_graphs(nproc, tmp_path):
         assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k})
 
 
-def _parity_checks(r, cg):
+def _parity_checks(r, cg, eager_bitwise=True):
     """A pass on against off (a worker's ``_compare``): eager codegen bitwise (first-step
-    gradients, losses, parameters); Inductor within 1e-5 (first-step gradients, of each
-    gradient's largest element), 1e-4 (losses) and 1e-2 of the largest parameter (its
-    table gradient is an atomic scatter-add: two Inductor runs differ at ~1e-7, which
-    AdamW turns into lr-sized moves of near-zero-gradient elements)."""
-    if cg == "eager":
+    gradients, losses, parameters); Inductor (and eager codegen where ``eager_bitwise``
+    is False: the two runs sum in another order) within 1e-5 (first-step gradients, of
+    each gradient's largest element), 1e-4 (losses) and 1e-2 of the largest parameter
+    (Inductor's table gradient is an atomic scatter-add: two Inductor runs differ at
+    ~1e-7, which AdamW turns into lr-sized moves of near-zero-gradient elements)."""
+    if cg == "eager" and eager_bitwise:
         return {"eager: first-step gradients bitwise": r["eager_bitwise_grads"],
                 "eager: losses bitwise": r["eager_bitwise_losses"],
                 "eager: params bitwise": r["eager_bitwise_params"]}
     return {f"{cg}: first-step gradients within 1e-5": r[f"{cg}_grad_max_rel"] <= 1e-5,
             f"{cg}: losses within 1e-4": r[f"{cg}_loss_max_rel"] <= 1e-4,
             f"{cg}: params within 1e-2": r[f"{cg}_param_max_rel"] <= 1e-2}
+
+
+def _assert_on_off(nproc, scenario, tmp_path, checks, show=None):
+    """Run the worker's on/off ``scenario`` on ``nproc`` GPUs and assert, on every rank,
+    ``checks(r, cg, counters_on, counters_off)`` (name -> ok) for both codegens; the
+    failures are named with the rank's numbers (and ``show(r)``, if given)."""
+    if _ngpu() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    results = _torchrun(nproc, scenario, tmp_path, timeout=300)
+    for r in results:
+        got = {}
+        for cg in ("eager", "inductor"):
+            got.update(checks(r, cg, r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]))
+        failed = [k for k, ok in got.items() if not ok]
+        assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k},
+                            *(() if show is None else (show(r),)))
 
 
 @pytest.mark.parametrize("nproc", [2])
@@ -332,25 +349,15 @@ def test_embedding_auto_exchanges_on_nccl(nproc, tmp_path):
     element, losses within 1e-4, parameters within 1e-2 of the largest (AdamW moves
     near-zero-gradient elements by up to lr). Captured, no fallback; the gather run
     exchanges nothing."""
-    if _ngpu() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
-    results = _torchrun(nproc, "exchange", tmp_path, timeout=300)
-    for r in results:
-        checks = {}
-        for cg in ("eager", "inductor"):
-            on, off = r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]
-            checks.update({
+    def checks(r, cg, on, off):
+        return {**_parity_checks(r, cg, eager_bitwise=False),
                 f"{cg}: first loss bitwise": r[f"{cg}_first_loss_equal"],
-                f"{cg}: first-step gradients within 1e-5": r[f"{cg}_grad_max_rel"] <= 1e-5,
-                f"{cg}: losses within 1e-4": r[f"{cg}_loss_max_rel"] <= 1e-4,
-                f"{cg}: params within 1e-2": r[f"{cg}_param_max_rel"] <= 1e-2,
                 f"{cg}: lookups exchanged": on.get("embedding_lookups_exchanged", 0) >= 1,
                 f"{cg}: gather run exchanges none": off.get("embedding_lookups_exchanged", 0) == 0,
                 f"{cg}: captured, no fallback": on.get("captures", 0) >= 2 and on.get("cudagraph_fallbacks", 0) == 0
-                and on.get("capture_failures", 0) == 0,
-            })
-        failed = [k for k, ok in checks.items() if not ok]
-        assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k})
+                and on.get("capture_failures", 0) == 0}
+
+    _assert_on_off(nproc, "exchange", tmp_path, checks)
 
 
 @pytest.mark.parametrize("nproc", [2])
@@ -364,21 +371,13 @@ def test_avg_reduce_scatter_bitwise_on_nccl(nproc, tmp_path):
     3.3e-5, parameters 4.0e-3: AdamW moves an element whose gradient is rounding noise by
     up to lr = 1e-3 per step). The pass averaged reduce-scatters (none when off);
     captured, no fallback."""
-    if _ngpu() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
-    results = _torchrun(nproc, "avg", tmp_path, timeout=300)
-    for r in results:
-        checks = {}
-        for cg in ("eager", "inductor"):
-            on, off = r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]
-            checks.update(_parity_checks(r, cg))
-            checks.update({
+    def checks(r, cg, on, off):
+        return {**_parity_checks(r, cg),
                 f"{cg}: reduce-scatters averaged": on.get("reduce_scatters_averaged", 0) >= 2,
                 f"{cg}: pass off averages none": off.get("reduce_scatters_averaged", 0) == 0,
-                f"{cg}: captured, no fallback": on.get("captures", 0) >= 2 and on.get("cudagraph_fallbacks", 0) == 0,
-            })
-        failed = [k for k, ok in checks.items() if not ok]
-        assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k})
+                f"{cg}: captured, no fallback": on.get("captures", 0) >= 2 and on.get("cudagraph_fallbacks", 0) == 0}
+
+    _assert_on_off(nproc, "avg", tmp_path, checks)
 
 
 @pytest.mark.parametrize("nproc", [2])
@@ -393,26 +392,18 @@ def test_cross_step_prefetch_bitwise_on_nccl_with_cuda_graphs(nproc, tmp_path):
     after the first took the prefetch (nothing discarded), the optimizer step was
     captured, the forward's pieces captured apart from the eager one with the gather,
     no fallback."""
-    if _ngpu() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
-    results = _torchrun(nproc, "prefetch", tmp_path, timeout=300)
-    for r in results:
-        checks = {}
-        for cg in ("eager", "inductor"):
-            on, off = r[f"{cg}_counters_on"], r[f"{cg}_counters_off"]
-            checks.update(_parity_checks(r, cg))
-            checks.update({
+    def checks(r, cg, on, off):
+        return {**_parity_checks(r, cg),
                 f"{cg}: the table gather rewritten": on.get("gathers_prefetched_across_steps", 0) >= 1,
                 f"{cg}: 9 prefetches taken, 1 miss, none discarded": (on.get("prefetches_taken"),
                     on.get("prefetch_misses"), on.get("prefetches_discarded", 0)) == (9, 1, 0),
                 f"{cg}: pass off: none": off.get("prefetches_issued", 0) == 0,
                 f"{cg}: optimizer captured": on.get("optimizer_captures", 0) >= 1,
                 f"{cg}: pieces captured, no fallback": on.get("captures", 0) >= 2
-                    and on.get("cudagraph_fallbacks", 0) == 0,
-            })
-        failed = [k for k, ok in checks.items() if not ok]
-        assert not failed, (failed, {k: v for k, v in r.items() if "counters" not in k},
-                            {k: v for k, v in r["eager_counters_on"].items() if "prefetch" in k or "optim" in k})
+                    and on.get("cudagraph_fallbacks", 0) == 0}
+
+    _assert_on_off(nproc, "prefetch", tmp_path, checks,
+                   show=lambda r: {k: v for k, v in r["eager_counters_on"].items() if "prefetch" in k or "optim" in k})
 
 
 @pytest.mark.parametrize("nproc", [2])
