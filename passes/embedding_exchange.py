@@ -114,7 +114,7 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         cands.extend((len(cands), t, lk, _tokens(lk)) for lk in lookups)
     chosen: list[tuple[fx.Node, fx.Node]] = []
-    agreed_here: dict[str, set[int]] = {}
+    agreed_here: set[tuple[str, int]] = set()  # (exchange group, token count) agreed in this compile
     by_group: dict[str, list[tuple[int, fx.Node, fx.Node, int | None]]] = {}
     for c in cands:
         if c[1].args[10]:  # agree ("auto")
@@ -143,12 +143,13 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                        plan="the token counts of its embedding lookups (embedding='auto')",
                                        counted="lookups", namespace="exchange",
                                        about=f"looks up {', '.join(items)} (lookup: tokens).")
-            ok = [c for c in static if f"{c[0]}:{c[3]}" in set(got)]
+            shared = set(got)
+            ok = [c for c in static if f"{c[0]}:{c[3]}" in shared]
             _skip(ctx, "ranks_differ", len(static) - len(ok))
-            agreed_here.setdefault(xgroup, set()).update(c[3] for c in ok)
+            agreed_here.update((xgroup, c[3]) for c in ok)
         chosen.extend((c[1], c[2]) for c in ok)
     if key is not None and prior is None and by_group:
-        SESSION.exchange_plans[key] = frozenset((g, t) for g, ts in agreed_here.items() for t in ts)
+        SESSION.exchange_plans[key] = frozenset(agreed_here)
     if not chosen:
         return ctx.unchanged(gm, f"none of {len(cands)} lookups exchanges (see the skipped:* counts): "
                                  f"the tables are gathered")
