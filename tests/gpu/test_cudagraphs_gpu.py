@@ -348,14 +348,15 @@ def test_embedding_auto_exchanges_on_nccl(nproc, tmp_path):
     sum in another order: first-step gradients within 1e-5 of each gradient's largest
     element, losses within 1e-4, parameters within 1e-2 of the largest (AdamW moves
     near-zero-gradient elements by up to lr). Captured, no fallback; the gather run
-    exchanges nothing."""
+    exchanges nothing; no re-capture."""
     def checks(r, cg, on, off):
         return {**_parity_checks(r, cg, eager_bitwise=False),
                 f"{cg}: first loss bitwise": r[f"{cg}_first_loss_equal"],
                 f"{cg}: lookups exchanged": on.get("embedding_lookups_exchanged", 0) >= 1,
                 f"{cg}: gather run exchanges none": off.get("embedding_lookups_exchanged", 0) == 0,
                 f"{cg}: captured, no fallback": on.get("captures", 0) >= 2 and on.get("cudagraph_fallbacks", 0) == 0
-                and on.get("capture_failures", 0) == 0}
+                and on.get("capture_failures", 0) == 0,
+                f"{cg}: no re-capture": on.get("recaptures", 0) == 0 and on.get("hazard_recaptures", 0) == 0}
 
     _assert_on_off(nproc, "exchange", tmp_path, checks)
 
