@@ -135,7 +135,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None,
                     eager_optimizer: bool = False, whole_step: bool = False, options: dict | None = None,
-                    embedding: str | None = None, fold_clip: bool = False) -> Built:
+                    embedding: str | None = None, fold_clip: bool | str = "auto") -> Built:
     """``eager_optimizer``: torch's eager clip + step (the ``graphcomp-eager_optimizer``
     system) instead of graphcomp's captured step (``graphcomp``, on CUDA).
     ``whole_step``: the ``graphcomp`` step (captured optimizer) through
@@ -145,7 +145,9 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
     ``embedding``: ``graphcomp.shard``'s ``embedding=`` (None: its default, ``"auto"``;
     ``graphcomp-embedding_exchange``: ``"exchange"``; the table gather is the ablation
     row ``graphcomp-no_embedding_exchange``).
-    ``fold_clip``: ``graphcomp.optim.capture(..., fold_clip=True)`` (``graphcomp-fold_clip``)."""
+    ``fold_clip``: ``graphcomp.optim.capture(..., fold_clip=...)``: ``"auto"`` (the default: the
+    exact fold where the probe matches), ``True`` (``graphcomp-fold_clip``), ``False``
+    (``graphcomp-clip_apart``)."""
     graphcomp = _import_graphcomp()
     options = dict(options or {})
     if enable is not None:  # graphcomp-with_<pass>: a pass that is off by default, switched on
@@ -242,9 +244,9 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         # captured step reads them, as long as zero_grad sets them to None (set_to_none=False
         # keeps param.grad: autograd adds into it and the runner copies every gradient out of
         # the pool per step; measured on W1, 1 GPU: 536 MB per step, +1.46 GiB peak)
-        captured = capture(opt, max_norm=CLIP, **({"fold_clip": True} if fold_clip else {}))
+        captured = capture(opt, max_norm=CLIP, fold_clip=fold_clip)
         step = standard_step(compiled, opt, ctx.device, autocast=not sharded, update=captured)
-        cfg["optimizer_step"] = (f"graphcomp.optim.capture(opt, max_norm={CLIP}{', fold_clip=True' if fold_clip else ''}) "
+        cfg["optimizer_step"] = (f"graphcomp.optim.capture(opt, max_norm={CLIP}, fold_clip={fold_clip!r}) "
                                  "(clip + step as one CUDA graph; torch's eager clip + step without CUDA), "
                                  "zero_grad(set_to_none=True)")
     whole = None  # graphcomp.capture_step's step, when the system uses it
@@ -354,6 +356,17 @@ def build_graphcomp_fold_clip(ctx: Ctx) -> Built:
     if ctx.tp > 1:
         raise NotRun("fold_clip is an option of the captured optimizer, which --tp runs do not use")
     return build_graphcomp(ctx, fold_clip=True)
+
+
+def build_graphcomp_clip_apart(ctx: Ctx) -> Built:
+    """graphcomp with ``graphcomp.optim.capture(opt, max_norm=..., fold_clip=False)``: the
+    clip as its own pass over the gradients (the ablation row of the exact clip fold,
+    ``fold_clip="auto"``)."""
+    if ctx.device.type != "cuda":
+        raise NotRun("the clip fold is an option of the captured optimizer (CUDA)")
+    if ctx.tp > 1:
+        raise NotRun("fold_clip is an option of the captured optimizer, which --tp runs do not use")
+    return build_graphcomp(ctx, fold_clip=False)
 
 
 def build_graphcomp_exchange_fold_clip(ctx: Ctx) -> Built:
@@ -572,6 +585,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-except_last": build_graphcomp_except_last,
     "graphcomp-embedding_exchange": build_graphcomp_embedding_exchange,
     "graphcomp-fold_clip": build_graphcomp_fold_clip,
+    "graphcomp-clip_apart": build_graphcomp_clip_apart,
     "graphcomp-exchange_fold_clip": build_graphcomp_exchange_fold_clip,
     "graphcomp-guard_filter": build_graphcomp_guard_filter,
     "graphcomp-keep_params": build_graphcomp_keep_params,

@@ -156,6 +156,9 @@ class Counters(Mapping):
     """Optimizers that run eagerly for good (unsupported optimizer or option)."""
     optimizer_grad_copy_bytes: int = 0
     """Bytes of gradients copied into the captured step's static buffers."""
+    optimizer_clip_folds: int = 0
+    """Times a captured step switched to the exact clip fold (graphcomp/optim/clip_fold.py: the clip
+    coefficient applied inside one fused Adam/AdamW kernel, bitwise clip_grads_with_norm_ + opt.step())."""
     optimizer_steps_in_step_graph: int = 0
     """Optimizer steps recorded inline into a whole-step graph (graphcomp.capture_step), once per capture."""
 

@@ -106,7 +106,7 @@ def capture(
     cudagraphs: str = "auto",
     check_static_inputs: str = "first",
     max_recaptures: int = 8,
-    fold_clip: bool = False,
+    fold_clip: bool | str = "auto",
     prefetch: bool = True,
 ) -> "CapturedStep":
     """Return a step callable: ``step() -> Tensor`` clips the gradients of
@@ -126,14 +126,20 @@ def capture(
     (``"first"``) or every replay (``"always"``); gradient addresses are compared
     every replay. ``max_recaptures``: re-captures (hyper-parameter, state or
     gradient-address changes) after which the step stays eager, with a warning.
-    ``fold_clip`` (fused Adam/AdamW with ``max_norm`` only): apply the clip
-    coefficient inside the fused kernel (as its ``grad_scale``, dividing by
-    ``1 / coefficient``) instead of a separate pass over every gradient: one
-    read and write of all gradients fewer per step (1.6 ms at W2 on 2 H200s).
-    Not bitwise equal to eager clipping when clipping is active (a division by the
-    reciprocal, not a multiplication; parameters agree to rounding), bitwise when it
-    is not (a scale of exactly 1). ``param.grad`` holds the clipped gradients after
-    the step, as after ``clip_grad_norm_`` (the kernel stores them).
+    ``fold_clip``: where the clip coefficient is applied. ``"auto"`` (default): for a
+    fused Adam/AdamW (``fused=True``, float32 parameters and state, no ``amsgrad``)
+    on CUDA with Triton, inside one kernel that multiplies each gradient by the
+    coefficient, stores it and makes torch's fused update
+    (``graphcomp/optim/clip_fold.py``): bitwise ``clip_grads_with_norm_`` +
+    ``opt.step()``, one read and write of all gradients fewer per step. Before its
+    first use a probe checks, on random tensors with the group's hyper-parameters,
+    that the kernel is bitwise torch's; anything else (another optimizer, a probe
+    that does not match, step hooks) clips apart, and ``decisions`` says why.
+    ``True`` (fused Adam/AdamW only): the coefficient as the fused kernel's
+    ``grad_scale`` (dividing by ``1 / coefficient``): not bitwise equal to eager
+    clipping when clipping is active (parameters agree to rounding), bitwise when it
+    is not. ``False``: clip apart. ``param.grad`` holds the clipped gradients after
+    the step in every mode, as after ``clip_grad_norm_``.
 
     ``prefetch``: issue the next forward's input-embedding table gather during this
     step (cross-step prefetch, ``graphcomp/prefetch.py``): the step updates the
@@ -168,9 +174,9 @@ def capture(
         raise ValueError(f"graphcomp.optim.capture: max_recaptures must be an int >= 0, got {max_recaptures!r}")
     if not isinstance(prefetch, bool):
         raise ValueError(f"graphcomp.optim.capture: prefetch must be True or False, got {prefetch!r}")
-    if not isinstance(fold_clip, bool):
-        raise ValueError(f"graphcomp.optim.capture: fold_clip must be True or False, got {fold_clip!r}")
-    if fold_clip:
+    if fold_clip not in ("auto", True, False) or not isinstance(fold_clip, (bool, str)):
+        raise ValueError(f"graphcomp.optim.capture: fold_clip must be 'auto', True or False, got {fold_clip!r}")
+    if fold_clip is True:
         if not fused_adam(optimizer):
             raise ValueError(f"graphcomp.optim.capture: fold_clip=True needs a fused Adam or AdamW (fused=True), whose "
                              f"kernel takes the coefficient as grad_scale; got {type(optimizer).__name__} with fused="

@@ -21,6 +21,7 @@ from .. import _compat
 from ..prefetch import PREFETCH
 from ..runtime.manager import RUNTIME
 from ..session import SESSION
+from . import clip_fold
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class CapturedStep:
 
     def __init__(self, opt: torch.optim.Optimizer, *, max_norm: float | None, norm_type: float, error_if_nonfinite: bool,
                  skip_nonfinite: bool, foreach: bool | None, cudagraphs: str, check_always: bool, max_recaptures: int,
-                 fold_clip: bool = False, prefetch: bool = True):
+                 fold_clip: bool | str = "auto", prefetch: bool = True):
         self.opt = opt
         self.prefetch = prefetch
         self._prefetch_event: Any = None  # marks "the prefetched shards are updated" on the device
@@ -61,6 +62,8 @@ class CapturedStep:
         self._graph_marks: frozenset[int] = frozenset()  # ids of the shards a captured graph updates before its mark
         self.max_norm, self.norm_type, self.foreach = max_norm, norm_type, foreach
         self.fold_clip = fold_clip
+        self._fold_keep: list[Any] = []  # the exact fold's tables, which captured graphs read at every replay
+        self._fold_why: str | None = "(not decided)"  # why the exact fold is not taken (the last reason said)
         self.error_if_nonfinite, self.skip = error_if_nonfinite, skip_nonfinite or error_if_nonfinite
         # how a captured step skips a non-finite update on the device: a conditional (IF)
         # graph node, or the fused optimizer's own found_inf (see _static_reason)
@@ -341,12 +344,13 @@ class CapturedStep:
         Each parameter's update is the one a single ``opt.step()`` makes (Adam, AdamW
         and SGD update each parameter on its own). Also returns the early shards' ids."""
         early = self._early(params)
+        exact = self._exact_fold(params)
         if not early:
-            return [lambda: self._clip_and_step(params, total)], frozenset()
+            return [lambda: self._clip_and_step(params, total, exact=exact)], frozenset()
         ids = frozenset(id(p) for p in early)
         rest = [p for p in params if id(p) not in ids]
-        return [lambda: self._clip_and_step(params, total, only=early),
-                lambda: self._clip_and_step(params, total, only=rest, clipped=True)], ids
+        return [lambda: self._clip_and_step(params, total, only=early, exact=exact),
+                lambda: self._clip_and_step(params, total, only=rest, clipped=True, exact=exact)], ids
 
     def _run_phases(self, phases: list[Any], early: frozenset[int], run: Any = None) -> None:
         """Run ``phases`` in order (each through ``run``, e.g. into an IF node), with the
@@ -395,20 +399,64 @@ class CapturedStep:
         PREFETCH.issue([p for p in params if id(p) not in early], after=None)
         self._marked = frozenset()
 
+    def _exact_fold(self, params: list[torch.Tensor]) -> bool:
+        """Whether this step clips and steps through :mod:`clip_fold`'s kernel
+        (``fold_clip="auto"``): a fused Adam/AdamW whose kernel the probe matched bitwise,
+        float32 state already created, outside the reference mode. Says why not once
+        per reason."""
+        if self.fold_clip != "auto" or self.max_norm is None or self.mode == "reference":
+            return False
+        why = clip_fold.refusal(self.opt)
+        if why is None and params:
+            device = _compat.dtensor_local(params[0]).device
+            if device.type != "cuda":
+                why = "parameters not on CUDA"
+            elif torch.cuda.is_current_stream_capturing():  # (no probe inside a capture)
+                why = clip_fold.probed(self.opt)
+            else:
+                why = clip_fold.probe(self.opt, device)
+        if why is None:
+            want = {id(p) for p in params}
+            for group in self.opt.param_groups:
+                ps = [p for p in group["params"] if id(p) in want and p.grad is not None]
+                if ps:
+                    _, why = clip_fold.group_tensors(self.opt, group, ps)
+                    if why is not None:
+                        break
+        if why != self._fold_why:
+            self._fold_why = why
+            if why is None:
+                SESSION.counters.add("optimizer_clip_folds")
+                self._decide("clip folded into the fused optimizer kernel (graphcomp/optim/clip_fold.py: "
+                             "bitwise clip_grads_with_norm_ + opt.step(), one pass over the gradients fewer)")
+            else:
+                self._decide(f"clip apart from the optimizer step: {why}")
+        return why is None
+
     def _clip_and_step(self, params: list[torch.Tensor], total: torch.Tensor,
-                       only: list[torch.Tensor] | None = None, clipped: bool = False) -> None:
-        """``clip_grads_with_norm_`` + ``opt.step()``; with ``fold_clip`` the fused
+                       only: list[torch.Tensor] | None = None, clipped: bool = False, exact: bool = False) -> None:
+        """``clip_grads_with_norm_`` + ``opt.step()``. ``exact`` (see :meth:`_exact_fold`):
+        one kernel multiplies ``only`` (or ``params``)'s gradients by the clip
+        coefficient and steps them, bitwise the two calls. ``fold_clip=True``: the fused
         kernel divides each gradient by ``1 / clip coefficient`` (its ``grad_scale``,
         as for torch.amp's GradScaler) instead of a separate pass multiplying them:
         the same coefficient as ``clip_grads_with_norm_`` (``max_norm / (norm + 1e-6)``,
         at most 1); the kernel stores the scaled gradients, as clipping leaves them.
         ``only``: step just these parameters (clipping still covers ``params``, unless
-        ``clipped`` says an earlier phase did)."""
+        ``clipped`` says an earlier phase did; the exact fold clips ``only``)."""
         step = self.opt.step if only is None else (lambda: self._step_only(only))
         if self.max_norm is None:
             step()
             return
-        if not self.fold_clip:
+        if exact:
+            # the coefficient as clip_grads_with_norm_ computes it, on the local norm
+            coef = torch.clamp(self.max_norm / (_compat.dtensor_local(total) + 1e-6), max=1.0)
+            why = clip_fold.step(self.opt, params if only is None else only, coef,
+                                 getattr(self.opt, "found_inf", None), self._fold_keep)
+            if why is None:
+                return
+            raise RuntimeError(f"graphcomp.optim: the exact clip fold refused a step it was planned for: {why}")
+        if self.fold_clip is not True:
             if not clipped:
                 torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total, self.foreach)
             step()

@@ -365,5 +365,36 @@ def test_fold_clip_needs_fused_adam_and_max_norm(pg1):
     m, o = make(0, torch.optim.AdamW, dict(lr=1e-2, fused=True))
     with pytest.raises(ValueError, match=r"fold_clip=True needs max_norm"):
         gopt.capture(o, fold_clip=True)
-    with pytest.raises(ValueError, match=r"fold_clip must be True or False, got 'yes'"):
+    with pytest.raises(ValueError, match=r"fold_clip must be 'auto', True or False, got 'yes'"):
         gopt.capture(o, max_norm=1.0, fold_clip="yes")
+    with pytest.raises(ValueError, match=r"fold_clip must be 'auto', True or False, got 1"):
+        gopt.capture(o, max_norm=1.0, fold_clip=1)
+
+
+def test_exact_clip_fold_refusals_name_the_reason(pg1):
+    """The exact fold (fold_clip="auto", graphcomp/optim/clip_fold.py) runs only for a
+    fused Adam/AdamW without amsgrad or step hooks, on CUDA with Triton (its kernel is
+    checked bitwise on the GPU: tests/gpu/test_clip_fold_gpu.py); otherwise the captured
+    step clips apart and says why in its decisions."""
+    from graphcomp.optim import clip_fold
+
+    def why(cls, **kw):
+        return clip_fold.refusal(make(0, cls, dict(lr=1e-2, **kw))[1])
+
+    assert why(torch.optim.SGD) == "SGD is not Adam or AdamW"
+    assert why(torch.optim.AdamW, foreach=True) == "param group 0 is not fused (fused=True)"
+    assert why(torch.optim.Adam, fused=True, amsgrad=True) == "param group 0 uses amsgrad"
+    m, o = make(0, torch.optim.AdamW, dict(lr=1e-2, fused=True))
+    h = o.register_step_pre_hook(lambda *a: None)
+    assert clip_fold.refusal(o) == "the optimizer has step hooks (the fold does not call opt.step())"
+    h.remove()
+    assert clip_fold.refusal(o) == ("no CUDA device" if not torch.cuda.is_available() else None)
+
+
+def test_default_clip_on_the_cpu_says_why_it_is_apart(pg1, dev):
+    """fold_clip="auto" (the default) on the stand-in device: the clip runs apart (no
+    CUDA), the step is bitwise torch's, and the decision names the reason once."""
+    step, norms, _ = train_pair(torch.optim.AdamW, dict(lr=1e-2, fused=True, weight_decay=0.1))
+    said = [d for d in step.decisions if "clip" in d and "apart" in d]
+    assert said == ["clip apart from the optimizer step: no CUDA device"], step.decisions
+    assert graphcomp.counters["optimizer_clip_folds"] == 0

@@ -49,6 +49,7 @@ GRAPHCOMP_GPU_RESULTS="$OUT" run exchange2 240 python -m pytest -q -p no:cachepr
 GRAPHCOMP_GPU_RESULTS="$OUT" run prefetch2 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k cross_step_prefetch
 run ckpt 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k checkpointed
 GRAPHCOMP_GPU_RESULTS="$OUT" run optim1 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k 1gpu
+GRAPHCOMP_GPU_RESULTS="$OUT" run clipfold 240 python -m pytest -q -p no:cacheprovider -s tests/gpu/test_clip_fold_gpu.py
 GRAPHCOMP_GPU_RESULTS="$OUT" run optim2 ${OPT2_T:-150} python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k "torchrun and 2"
 GRAPHCOMP_GPU_RESULTS="$OUT" run optimw1 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_optim_gpu.py -k w1
 run chunk 240 python -m pytest -q -p no:cacheprovider -s tests/gpu/test_chunk_lm_loss_gpu.py

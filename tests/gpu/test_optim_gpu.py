@@ -55,6 +55,10 @@ def _check_numerics(r: dict, steps: int = 20) -> None:
             and c.get("optimizer_grad_copy_bytes", 0) == 0,
         "the user's lr stays a float": r["lr_is_float"],
         "forward/backward never fell back": c.get("cudagraph_fallbacks", 0) == 0,
+        # fused AdamW with clipping: the clip folded into one kernel (fold_clip="auto"),
+        # bitwise as the checks above say; foreach clips apart
+        "the clip folded exactly (fused), apart (foreach)": c.get("optimizer_clip_folds", 0)
+            == (1 if r["kind"] == "fused" else 0),
     }
     failed = [k for k, ok in checks.items() if not ok]
     assert not failed, (failed, r)

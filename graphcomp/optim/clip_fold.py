@@ -1,0 +1,321 @@
+"""The clip folded exactly into a fused Adam/AdamW step: one Triton kernel.
+
+``clip_grads_with_norm_`` + a fused ``opt.step()`` read and write every gradient
+twice: the clip multiplies each by the coefficient and stores it, then torch's fused
+kernel reads it again with the parameter and both moments. This kernel multiplies
+each gradient by the coefficient, stores it (as the clip leaves it) and makes the
+update torch's fused Adam/AdamW kernel makes, operation for operation in float32
+(the same fused multiply-adds, IEEE divisions and square roots, libdevice ``powf``
+for the bias corrections): parameters, moments and gradients are bitwise those of
+the two calls, with one pass over the gradients fewer.
+
+That the arithmetic matches is checked, not assumed. Before the first use for a
+set of hyper-parameters, :func:`probe` runs torch's clip + ``_fused_adam(w)_`` and
+each variant of the kernel on random tensors with those hyper-parameters (the only
+place where compilers differ is whether the weight decay's multiply-add is fused);
+the variant whose parameters, moments and gradients are bitwise equal is kept. Where
+none is (another torch's kernel), the step clips apart and says why.
+
+Scope: Adam/AdamW with ``fused=True``, float32 parameters, gradients and moments,
+contiguous, on CUDA, no ``amsgrad``, float betas; ``lr`` a float or a device tensor;
+``found_inf`` as torch's kernel takes it (a step it skips leaves the gradients as
+they were). Everything else clips apart (:func:`refusal` says why).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from .. import _compat
+
+BLOCK = 2048  # elements per program (4 warps: 16 per thread, four 16-byte vectors)
+_VARIANTS = (True, False)  # the weight decay's multiply-add fused (as nvcc contracts it) or not
+
+_kernel: Any = None
+_probed: dict[tuple, Any] = {}  # hyper-parameters -> the matching variant, or a str: why none
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _build_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:  # older Triton
+        from triton.language.extra.cuda import libdevice
+
+    @triton.jit
+    def clip_adam_kernel(table, blocks, n_tensors, coef_ptr, lr_ptr, found_inf_ptr,
+                         lr_value, beta1, beta2, weight_decay, eps,
+                         BLOCK: tl.constexpr, LR_PTR: tl.constexpr, FOUND_INF: tl.constexpr,
+                         ADAMW: tl.constexpr, DECAY: tl.constexpr, DECAY_FMA: tl.constexpr,
+                         MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
+        pid = tl.program_id(0)
+        if FOUND_INF:
+            if tl.load(found_inf_ptr) == 1.0:
+                return
+        t = tl.load(blocks + pid)
+        b = tl.load(blocks + tl.num_programs(0) + pid)
+        n = tl.load(table + 5 * n_tensors + t)
+        p_ptr = tl.load(table + t).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(table + n_tensors + t).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(table + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(table + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
+        s_ptr = tl.load(table + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
+        if ALIGNED:
+            p_ptr = tl.multiple_of(p_ptr, 16)
+            g_ptr = tl.multiple_of(g_ptr, 16)
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
+        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        coef = tl.load(coef_ptr)
+        if LR_PTR:
+            lr = tl.load(lr_ptr)
+        else:
+            lr = lr_value
+        step = tl.load(s_ptr)
+
+        grad = tl.load(g_ptr + offs, mask=mask) * coef  # the clip: grads *= coefficient
+        tl.store(g_ptr + offs, grad, mask=mask)
+        if MAXIMIZE:
+            grad = -grad
+        param = tl.load(p_ptr + offs, mask=mask)
+        exp_avg = tl.load(m_ptr + offs, mask=mask)
+        exp_avg_sq = tl.load(v_ptr + offs, mask=mask)
+        if DECAY:
+            if ADAMW:  # param -= lr * weight_decay * param
+                lr_wd = lr * weight_decay
+                if DECAY_FMA:
+                    param = tl.fma(-lr_wd, param, param)
+                else:
+                    param = param - lr_wd * param
+            else:  # grad += param * weight_decay
+                if DECAY_FMA:
+                    grad = tl.fma(param, weight_decay, grad)
+                else:
+                    grad = grad + param * weight_decay
+        exp_avg = tl.fma(beta1, exp_avg, tl.fma(-beta1, grad, grad))
+        grad_sq = grad * grad
+        exp_avg_sq = tl.fma(beta2, exp_avg_sq, tl.fma(-beta2, grad_sq, grad_sq))
+        bias_correction1 = 1.0 - libdevice.pow(beta1, step)
+        bias_correction2 = 1.0 - libdevice.pow(beta2, step)
+        bias_correction2_sqrt = tl.sqrt_rn(bias_correction2)
+        step_size = tl.div_rn(lr, bias_correction1)
+        denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+        param = param - tl.div_rn(step_size * exp_avg, denom)
+        tl.store(p_ptr + offs, param, mask=mask)
+        tl.store(m_ptr + offs, exp_avg, mask=mask)
+        tl.store(v_ptr + offs, exp_avg_sq, mask=mask)
+
+    return clip_adam_kernel
+
+
+def _get_kernel() -> Any:
+    global _kernel
+    if _kernel is None:
+        _kernel = _build_kernel()
+    return _kernel
+
+
+def _f32(x: Any) -> float:
+    """A Python number as the float32 torch's kernel casts it to (round to nearest)."""
+    return float(torch.tensor(float(x), dtype=torch.float64).to(torch.float32))
+
+
+def hyper_key(opt: torch.optim.Optimizer, group: dict) -> tuple:
+    lr = group["lr"]
+    return (type(opt) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay")),
+            "tensor" if isinstance(lr, torch.Tensor) else "float",
+            float(group["betas"][0]), float(group["betas"][1]), float(group["weight_decay"]),
+            float(group["eps"]), bool(group.get("maximize", False)))
+
+
+def refusal(opt: torch.optim.Optimizer) -> str | None:
+    """Why this optimizer's step cannot take the fold at all (None: it can, subject to
+    the probe and to each step's tensors, see :func:`tensors_refusal`)."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"{type(opt).__name__} is not Adam or AdamW"
+    for i, g in enumerate(opt.param_groups):
+        if not g.get("fused"):
+            return f"param group {i} is not fused (fused=True)"
+        if g.get("amsgrad"):
+            return f"param group {i} uses amsgrad"
+        if g.get("differentiable"):
+            return f"param group {i} is differentiable"
+        if any(isinstance(b, torch.Tensor) for b in g["betas"]):
+            return f"param group {i} has tensor betas"
+    if _compat.optimizer_step_hooks(opt):
+        return "the optimizer has step hooks (the fold does not call opt.step())"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not triton_available():
+        return "Triton is not installed"
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return _compat.dtensor_local(t)
+
+
+def group_tensors(opt: torch.optim.Optimizer, group: dict, params: list[torch.Tensor]
+                  ) -> tuple[list[list[torch.Tensor]] | None, str | None]:
+    """The local (P, G, M, V, step) lists of ``params`` (this group's, with gradients),
+    or None and why they cannot take the kernel (state not created yet, a dtype, a
+    layout)."""
+    lists: list[list[torch.Tensor]] = [[], [], [], [], []]
+    for p in params:
+        st = opt.state.get(p)
+        if not st or "exp_avg" not in st or "exp_avg_sq" not in st or "step" not in st:
+            return None, "optimizer state not created yet"
+        ts = (_local(p), _local(p.grad), _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(st["step"]))
+        for j, t in enumerate(ts):
+            if t.dtype != torch.float32:
+                return None, f"a {('parameter', 'gradient', 'exp_avg', 'exp_avg_sq', 'step')[j]} is {t.dtype}, not float32"
+            if t.device.type != "cuda":
+                return None, "a tensor is not on CUDA"
+            if j < 4 and not t.is_contiguous():
+                return None, "a tensor is not contiguous"
+            lists[j].append(t)
+        if not (ts[0].shape == ts[1].shape == ts[2].shape == ts[3].shape):
+            return None, "a gradient or moment's shape differs from its parameter's"
+    return lists, None
+
+
+def _table(lists: list[list[torch.Tensor]]) -> tuple[Any, ...]:
+    """Device tables: int64 [6, T] (pointers of P, G, M, V, step; numels) and int32
+    [2, B] (each program's tensor and block), copied from pinned memory (a copy a
+    capture can record; a captured graph reads its host and device tables at every
+    replay, so whoever captures keeps the tuple alive). Returns (table, blocks,
+    number of blocks, aligned, host table, host blocks)."""
+    numels = [t.numel() for t in lists[0]]
+    dev = lists[0][0].device
+    host = torch.tensor([[t.data_ptr() for t in lst] for lst in lists] + [numels], dtype=torch.int64).pin_memory()
+    tb: list[int] = []
+    bb: list[int] = []
+    for i, n in enumerate(numels):
+        nb = -(-n // BLOCK)
+        tb.extend([i] * nb)
+        bb.extend(range(nb))
+    host_blocks = torch.tensor([tb, bb], dtype=torch.int32).pin_memory()
+    table = torch.empty(host.shape, dtype=host.dtype, device=dev).copy_(host, non_blocking=True)
+    blocks = torch.empty(host_blocks.shape, dtype=host_blocks.dtype, device=dev).copy_(host_blocks, non_blocking=True)
+    aligned = all(t.data_ptr() % 16 == 0 for lst in lists[:4] for t in lst)
+    return table, blocks, len(tb), aligned, host, host_blocks
+
+
+def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: torch.Tensor,
+           lr: Any, found_inf: torch.Tensor | None, keep: list | None = None) -> None:
+    """The kernel over the local tensors ``lists`` (P, G, M, V, step), the step counts
+    already incremented (as torch does before its kernel). While a capture records
+    it, its tables are appended to ``keep`` (the graph reads them at every replay)."""
+    adamw, _, beta1, beta2, wd, eps, maximize = key
+    tables = _table(lists)
+    table, blocks, n_blocks, aligned = tables[:4]
+    if keep is not None and torch.cuda.is_current_stream_capturing():
+        keep.append(tables)
+    if n_blocks == 0:
+        return
+    lr_is_tensor = isinstance(lr, torch.Tensor)
+    _get_kernel()[(n_blocks,)](
+        table, blocks, len(lists[0]), coef, lr if lr_is_tensor else coef, found_inf if found_inf is not None else coef,
+        0.0 if lr_is_tensor else _f32(lr), _f32(beta1), _f32(beta2), _f32(wd), _f32(eps),
+        BLOCK=BLOCK, LR_PTR=lr_is_tensor, FOUND_INF=found_inf is not None, ADAMW=adamw, DECAY=wd != 0.0,
+        DECAY_FMA=variant, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=4, enable_fp_fusion=False)
+
+
+def step(opt: torch.optim.Optimizer, params: list[torch.Tensor], coef: torch.Tensor,
+         found_inf: torch.Tensor | None = None, keep: list | None = None) -> str | None:
+    """Clip (multiply by ``coef``, a float32 0-dim device tensor) and step ``params``
+    (those of ``opt`` with gradients) with the kernel. Returns None when done, else
+    why not (nothing was changed then: the caller clips apart)."""
+    want = {id(p) for p in params}
+    todo = []
+    for group in opt.param_groups:
+        ps = [p for p in group["params"] if id(p) in want and p.grad is not None]
+        if not ps:
+            continue
+        key = hyper_key(opt, group)
+        variant = _probed.get(key)
+        if variant is None or isinstance(variant, str):
+            return variant or "the kernel was not probed for these hyper-parameters"
+        lists, why = group_tensors(opt, group, ps)
+        if lists is None:
+            return why
+        todo.append((group, key, variant, lists))
+    for group, key, variant, lists in todo:
+        torch._foreach_add_(lists[4], 1)
+        launch(lists, key, variant, coef, group["lr"], found_inf, keep)
+        if found_inf is not None:
+            torch._foreach_sub_(lists[4], [found_inf] * len(lists[4]))
+    return None
+
+
+def probed(opt: torch.optim.Optimizer) -> str | None:
+    """None when every param group's hyper-parameters have a matching variant, else why not."""
+    for group in opt.param_groups:
+        got = _probed.get(hyper_key(opt, group))
+        if got is None:
+            return "the kernel was not probed for these hyper-parameters (a probe cannot run inside a capture)"
+        if isinstance(got, str):
+            return got
+    return None
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.view(torch.int32), b.view(torch.int32)))
+
+
+def probe(opt: torch.optim.Optimizer, device: torch.device) -> str | None:
+    """For each param group's hyper-parameters not probed yet: torch's clip + fused
+    kernel and each variant of this kernel on the same random tensors (two tensors,
+    one with a tail; steps 1 and 7; weight decay and maximize as the group has them);
+    keeps the first variant bitwise equal in parameters, moments and gradients.
+    Returns None when every group has one, else why not. Must run outside a capture."""
+    for group in opt.param_groups:
+        key = hyper_key(opt, group)
+        if key not in _probed:
+            _probed[key] = _probe_one(opt, group, key, device)
+        if isinstance(_probed[key], str):
+            return _probed[key]
+    return None
+
+
+def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torch.device) -> Any:
+    adamw, _, beta1, beta2, wd, eps, maximize = key
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr = lr.detach().to(device=device, dtype=torch.float32).clone()
+    sizes = (3 * BLOCK + 5, 1000)
+
+    def make() -> list[list[torch.Tensor]]:
+        gen = torch.Generator().manual_seed(1234)
+        p = [torch.randn(n, generator=gen) for n in sizes]
+        g = [torch.randn(n, generator=gen) * 3 for n in sizes]
+        m = [torch.randn(n, generator=gen) * 0.1 for n in sizes]
+        v = [torch.rand(n, generator=gen) * 0.01 for n in sizes]
+        s = [torch.tensor(0.0), torch.tensor(6.0)]
+        return [[t.to(device) for t in lst] for lst in (p, g, m, v, s)]
+
+    coef = torch.tensor(0.3712, dtype=torch.float32, device=device)
+    ref = make()
+    torch._foreach_mul_(ref[1], coef)
+    torch._foreach_add_(ref[4], 1)
+    fn = torch._fused_adamw_ if adamw else torch._fused_adam_
+    fn(ref[0], ref[1], ref[2], ref[3], [], ref[4], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
+       eps=eps, amsgrad=False, maximize=maximize)
+    for variant in _VARIANTS:
+        got = make()
+        torch._foreach_add_(got[4], 1)
+        launch(got, key, variant, coef, lr, None)
+        if all(_bits_equal(a, b) for j in range(4) for a, b in zip(ref[j], got[j])):
+            return variant
+    return ("no variant of the kernel is bitwise torch's fused "
+            f"{'AdamW' if adamw else 'Adam'} on this torch ({torch.__version__})")
