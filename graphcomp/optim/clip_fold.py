@@ -58,9 +58,6 @@ def _build_kernel() -> Any:
                          ADAMW: tl.constexpr, DECAY: tl.constexpr, DECAY_FMA: tl.constexpr,
                          MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
-        if FOUND_INF:
-            if tl.load(found_inf_ptr) == 1.0:
-                return
         t = tl.load(blocks + pid)
         b = tl.load(blocks + tl.num_programs(0) + pid)
         n = tl.load(table + 5 * n_tensors + t)
@@ -76,6 +73,8 @@ def _build_kernel() -> Any:
             v_ptr = tl.multiple_of(v_ptr, 16)
         offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
+        if FOUND_INF:  # torch's kernel returns at once: nothing is read or written
+            mask = mask & (tl.load(found_inf_ptr) != 1.0)
         coef = tl.load(coef_ptr)
         if LR_PTR:
             lr = tl.load(lr_ptr)
@@ -314,7 +313,10 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
     for variant in _VARIANTS:
         got = make()
         torch._foreach_add_(got[4], 1)
-        launch(got, key, variant, coef, lr, None)
+        try:
+            launch(got, key, variant, coef, lr, None)
+        except Exception as e:  # (a Triton that cannot build it: clip apart, say why)
+            return f"the kernel failed to build or run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if all(_bits_equal(a, b) for j in range(4) for a, b in zip(ref[j], got[j])):
             return variant
     return ("no variant of the kernel is bitwise torch's fused "
