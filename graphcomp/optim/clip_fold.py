@@ -310,6 +310,7 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
     fn = torch._fused_adamw_ if adamw else torch._fused_adam_
     fn(ref[0], ref[1], ref[2], ref[3], [], ref[4], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
        eps=eps, amsgrad=False, maximize=maximize)
+    seen = []
     for variant in _VARIANTS:
         got = make()
         torch._foreach_add_(got[4], 1)
@@ -317,7 +318,25 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
             launch(got, key, variant, coef, lr, None)
         except Exception as e:  # (a Triton that cannot build it: clip apart, say why)
             return f"the kernel failed to build or run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if all(_bits_equal(a, b) for j in range(4) for a, b in zip(ref[j], got[j])):
+        diff = _differences(ref, got)
+        if not diff:
             return variant
-    return ("no variant of the kernel is bitwise torch's fused "
-            f"{'AdamW' if adamw else 'Adam'} on this torch ({torch.__version__})")
+        seen.append(f"{'fused' if variant else 'unfused'} decay: {diff}")
+    return (f"no variant of the kernel is bitwise torch's fused {'AdamW' if adamw else 'Adam'} on this torch "
+            f"({torch.__version__}): " + "; ".join(seen))
+
+
+def _differences(ref: list[list[torch.Tensor]], got: list[list[torch.Tensor]]) -> str:
+    """Which of parameter, gradient, exp_avg, exp_avg_sq differ: elements, largest
+    difference in units of the last place, and the first one (reference, kernel)."""
+    out = []
+    for j, name in enumerate(("param", "grad", "exp_avg", "exp_avg_sq")):
+        a = torch.cat([t.reshape(-1) for t in ref[j]])
+        b = torch.cat([t.reshape(-1) for t in got[j]])
+        bad = a.view(torch.int32) != b.view(torch.int32)
+        n = int(bad.sum())
+        if n:
+            i = int(bad.nonzero()[0])
+            ulp = int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
+            out.append(f"{name} {n}/{a.numel()} (max {ulp} ulp; first [{i}] {float(a[i])!r} vs {float(b[i])!r})")
+    return ", ".join(out)
