@@ -5,9 +5,10 @@ twice: the clip multiplies each by the coefficient and stores it, then torch's f
 kernel reads it again with the parameter and both moments. This kernel multiplies
 each gradient by the coefficient, stores it (as the clip leaves it) and makes the
 update torch's fused Adam/AdamW kernel makes, operation for operation in float32
-(the same fused multiply-adds, IEEE divisions and square roots, libdevice ``powf``
-for the bias corrections): parameters, moments and gradients are bitwise those of
-the two calls, with one pass over the gradients fewer.
+(the same fused multiply-adds, IEEE divisions and square roots; ``beta ** step`` for
+the bias corrections from ``torch.pow``, which calls the same ``powf`` as torch's
+kernel): parameters, moments and gradients are bitwise those of the two calls, with
+one pass over the gradients fewer.
 
 That the arithmetic matches is checked, not assumed. Before the first use for a
 set of hyper-parameters, :func:`probe` runs torch's clip + ``_fused_adam(w)_`` and
@@ -32,9 +33,7 @@ import torch
 from .. import _compat
 
 BLOCK = 2048  # elements per program (4 warps: 16 per thread, four 16-byte vectors)
-# (weight decay's multiply-add fused, division, square root, pow): 0 = IEEE (div.rn, sqrt.rn,
-# libdevice powf); the others: approximate forms, for a diagnosis of a torch built otherwise
-_VARIANTS = tuple((fma, d, q, pw) for d in range(4) for q in range(3) for pw in range(2) for fma in (True, False))
+_VARIANTS = (True, False)  # the weight decay's multiply-add fused (as nvcc contracts it) or not
 
 _kernel: Any = None
 _probed: dict[tuple, Any] = {}  # hyper-parameters -> the matching variant, or a str: why none
@@ -48,42 +47,12 @@ def _build_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    try:
-        from triton.language.extra import libdevice
-    except ImportError:  # older Triton
-        from triton.language.extra.cuda import libdevice
-
     @triton.jit
-    def _div(a, b, DIV: tl.constexpr):
-        if DIV == 0:
-            return tl.div_rn(a, b)
-        elif DIV == 1:
-            return a / b
-        elif DIV == 2:
-            return tl.inline_asm_elementwise("div.approx.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
-                                             is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise("div.approx.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
-                                             is_pure=True, pack=1)
-
-    @triton.jit
-    def _sqrt(a, SQRT: tl.constexpr):
-        if SQRT == 0:
-            return tl.sqrt_rn(a)
-        elif SQRT == 1:
-            return tl.inline_asm_elementwise("sqrt.approx.f32 $0, $1;", "=r,r", [a], dtype=tl.float32,
-                                             is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise("sqrt.approx.ftz.f32 $0, $1;", "=r,r", [a], dtype=tl.float32,
-                                             is_pure=True, pack=1)
-
-    @triton.jit
-    def clip_adam_kernel(table, blocks, n_tensors, coef_ptr, lr_ptr, found_inf_ptr,
+    def clip_adam_kernel(table, blocks, n_tensors, pow1_ptr, pow2_ptr, coef_ptr, lr_ptr, found_inf_ptr,
                          lr_value, beta1, beta2, weight_decay, eps,
                          BLOCK: tl.constexpr, LR_PTR: tl.constexpr, FOUND_INF: tl.constexpr,
                          ADAMW: tl.constexpr, DECAY: tl.constexpr, DECAY_FMA: tl.constexpr,
-                         MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
-                         DIV: tl.constexpr = 0, SQRT: tl.constexpr = 0, POW: tl.constexpr = 0):
+                         MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(blocks + pid)
         b = tl.load(blocks + tl.num_programs(0) + pid)
@@ -92,7 +61,6 @@ def _build_kernel() -> Any:
         g_ptr = tl.load(table + n_tensors + t).to(tl.pointer_type(tl.float32))
         m_ptr = tl.load(table + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
         v_ptr = tl.load(table + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
-        s_ptr = tl.load(table + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
         if ALIGNED:
             p_ptr = tl.multiple_of(p_ptr, 16)
             g_ptr = tl.multiple_of(g_ptr, 16)
@@ -107,7 +75,6 @@ def _build_kernel() -> Any:
             lr = tl.load(lr_ptr)
         else:
             lr = lr_value
-        step = tl.load(s_ptr)
 
         grad = tl.load(g_ptr + offs, mask=mask) * coef  # the clip: grads *= coefficient
         tl.store(g_ptr + offs, grad, mask=mask)
@@ -131,18 +98,14 @@ def _build_kernel() -> Any:
         exp_avg = tl.fma(beta1, exp_avg, tl.fma(-beta1, grad, grad))
         grad_sq = grad * grad
         exp_avg_sq = tl.fma(beta2, exp_avg_sq, tl.fma(-beta2, grad_sq, grad_sq))
-        zero = tl.zeros([BLOCK], tl.float32)
-        step_b = zero + step
-        if POW == 0:
-            bias_correction1 = 1.0 - libdevice.pow(zero + beta1, step_b)
-            bias_correction2 = 1.0 - libdevice.pow(zero + beta2, step_b)
-        else:
-            bias_correction1 = 1.0 - libdevice.fast_powf(zero + beta1, step_b)
-            bias_correction2 = 1.0 - libdevice.fast_powf(zero + beta2, step_b)
-        bias_correction2_sqrt = _sqrt(bias_correction2, SQRT)
-        step_size = _div(zero + lr, bias_correction1, DIV)
-        denom = _div(_sqrt(exp_avg_sq, SQRT), bias_correction2_sqrt, DIV) + eps
-        param = param - _div(step_size * exp_avg, denom, DIV)
+        # beta ** step from torch's own pow kernel (see launch): the CUDA math library torch
+        # was built with, not the libdevice Triton carries (their powf differ in the last bit)
+        bias_correction1 = 1.0 - tl.load(pow1_ptr + t)
+        bias_correction2 = 1.0 - tl.load(pow2_ptr + t)
+        bias_correction2_sqrt = tl.sqrt_rn(bias_correction2)
+        step_size = tl.div_rn(lr, bias_correction1)
+        denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+        param = param - tl.div_rn(step_size * exp_avg, denom)
         tl.store(p_ptr + offs, param, mask=mask)
         tl.store(m_ptr + offs, exp_avg, mask=mask)
         tl.store(v_ptr + offs, exp_avg_sq, mask=mask)
@@ -172,7 +135,7 @@ def hyper_key(opt: torch.optim.Optimizer, group: dict) -> tuple:
 
 def refusal(opt: torch.optim.Optimizer) -> str | None:
     """Why this optimizer's step cannot take the fold at all (None: it can, subject to
-    the probe and to each step's tensors, see :func:`tensors_refusal`)."""
+    the probe and to each step's tensors, see :func:`group_tensors`)."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
         return f"{type(opt).__name__} is not Adam or AdamW"
     for i, g in enumerate(opt.param_groups):
@@ -243,7 +206,7 @@ def _table(lists: list[list[torch.Tensor]]) -> tuple[Any, ...]:
     return table, blocks, len(tb), aligned, host, host_blocks
 
 
-def launch(lists: list[list[torch.Tensor]], key: tuple, variant: Any, coef: torch.Tensor,
+def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: torch.Tensor,
            lr: Any, found_inf: torch.Tensor | None, keep: list | None = None) -> None:
     """The kernel over the local tensors ``lists`` (P, G, M, V, step), the step counts
     already incremented (as torch does before its kernel). While a capture records
@@ -256,12 +219,16 @@ def launch(lists: list[list[torch.Tensor]], key: tuple, variant: Any, coef: torc
     if n_blocks == 0:
         return
     lr_is_tensor = isinstance(lr, torch.Tensor)
+    # torch's kernel computes pow(beta, step) per tensor with the CUDA math library's
+    # powf: torch.pow on float32 tensors calls the same function
+    steps = torch.stack(lists[4])
+    pow1 = torch.pow(torch.full((), beta1, dtype=torch.float32, device=steps.device).expand_as(steps), steps)
+    pow2 = torch.pow(torch.full((), beta2, dtype=torch.float32, device=steps.device).expand_as(steps), steps)
     _get_kernel()[(n_blocks,)](
-        table, blocks, len(lists[0]), coef, lr if lr_is_tensor else coef, found_inf if found_inf is not None else coef,
+        table, blocks, len(lists[0]), pow1, pow2, coef, lr if lr_is_tensor else coef, found_inf if found_inf is not None else coef,
         0.0 if lr_is_tensor else _f32(lr), _f32(beta1), _f32(beta2), _f32(wd), _f32(eps),
         BLOCK=BLOCK, LR_PTR=lr_is_tensor, FOUND_INF=found_inf is not None, ADAMW=adamw, DECAY=wd != 0.0,
-        DECAY_FMA=variant[0], DIV=variant[1], SQRT=variant[2], POW=variant[3], MAXIMIZE=maximize, ALIGNED=aligned,
-        num_warps=4, enable_fp_fusion=False)
+        DECAY_FMA=variant, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=4, enable_fp_fusion=False)
 
 
 def step(opt: torch.optim.Optimizer, params: list[torch.Tensor], coef: torch.Tensor,
@@ -355,7 +322,7 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
         diff = _differences(ref, got)
         if not diff:
             return variant
-        seen.append(f"{variant}: {diff}")
+        seen.append(f"{'fused' if variant else 'unfused'} decay: {diff}")
     return (f"no variant of the kernel is bitwise torch's fused {'AdamW' if adamw else 'Adam'} on this torch "
             f"({torch.__version__}): " + "; ".join(seen))
 
