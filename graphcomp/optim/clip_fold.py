@@ -32,7 +32,8 @@ import torch
 
 from .. import _compat
 
-BLOCK = 2048  # elements per program (4 warps: 16 per thread, four 16-byte vectors)
+BLOCK = 2048  # elements per program
+WARPS = 4  # (16 elements per thread)
 _VARIANTS = (True, False)  # the weight decay's multiply-add fused (as nvcc contracts it) or not
 
 _kernel: Any = None
@@ -184,35 +185,48 @@ def group_tensors(opt: torch.optim.Optimizer, group: dict, params: list[torch.Te
     return lists, None
 
 
-def _table(lists: list[list[torch.Tensor]]) -> tuple[Any, ...]:
+_TABLES_CACHED = 4  # recent tables, by addresses (an eager step would rebuild them: ~20 ms of host time at W2)
+_cache: dict[tuple, tuple[Any, ...]] = {}
+
+
+def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...]:
     """Device tables: int64 [6, T] (pointers of P, G, M, V, step; numels) and int32
     [2, B] (each program's tensor and block), copied from pinned memory (a copy a
     capture can record; a captured graph reads its host and device tables at every
     replay, so whoever captures keeps the tuple alive). Returns (table, blocks,
-    number of blocks, aligned, host table, host blocks)."""
+    number of blocks, aligned, host table, host blocks). Cached by the addresses and
+    sizes, which are all the tables hold."""
     numels = [t.numel() for t in lists[0]]
+    key = (block, *(t.data_ptr() for lst in lists for t in lst), *numels)
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit
     dev = lists[0][0].device
-    host = torch.tensor([[t.data_ptr() for t in lst] for lst in lists] + [numels], dtype=torch.int64).pin_memory()
-    tb: list[int] = []
-    bb: list[int] = []
-    for i, n in enumerate(numels):
-        nb = -(-n // BLOCK)
-        tb.extend([i] * nb)
-        bb.extend(range(nb))
-    host_blocks = torch.tensor([tb, bb], dtype=torch.int32).pin_memory()
+    host = torch.tensor([[t.data_ptr() for t in lst] for lst in lists] + [numels], dtype=torch.int64)
+    counts = (host[5] + block - 1) // block
+    first = torch.cumsum(counts, 0) - counts  # each tensor's first program
+    which = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    host_blocks = torch.stack([which, torch.arange(int(counts.sum())) - first[which]]).to(torch.int32)
+    host, host_blocks = host.pin_memory(), host_blocks.pin_memory()
     table = torch.empty(host.shape, dtype=host.dtype, device=dev).copy_(host, non_blocking=True)
     blocks = torch.empty(host_blocks.shape, dtype=host_blocks.dtype, device=dev).copy_(host_blocks, non_blocking=True)
     aligned = all(t.data_ptr() % 16 == 0 for lst in lists[:4] for t in lst)
-    return table, blocks, len(tb), aligned, host, host_blocks
+    out = (table, blocks, int(host_blocks.shape[1]), aligned, host, host_blocks)
+    while len(_cache) >= _TABLES_CACHED:
+        _cache.pop(next(iter(_cache)))
+    _cache[key] = out
+    return out
 
 
 def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: torch.Tensor,
-           lr: Any, found_inf: torch.Tensor | None, keep: list | None = None) -> None:
+           lr: Any, found_inf: torch.Tensor | None, keep: list | None = None,
+           block: int | None = None, warps: int | None = None) -> None:
     """The kernel over the local tensors ``lists`` (P, G, M, V, step), the step counts
     already incremented (as torch does before its kernel). While a capture records
     it, its tables are appended to ``keep`` (the graph reads them at every replay)."""
     adamw, _, beta1, beta2, wd, eps, maximize = key
-    tables = _table(lists)
+    block = block or BLOCK
+    tables = _table(lists, block)
     table, blocks, n_blocks, aligned = tables[:4]
     if keep is not None and torch.cuda.is_current_stream_capturing():
         keep.append(tables)
@@ -227,8 +241,8 @@ def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: tor
     _get_kernel()[(n_blocks,)](
         table, blocks, len(lists[0]), pow1, pow2, coef, lr if lr_is_tensor else coef, found_inf if found_inf is not None else coef,
         0.0 if lr_is_tensor else _f32(lr), _f32(beta1), _f32(beta2), _f32(wd), _f32(eps),
-        BLOCK=BLOCK, LR_PTR=lr_is_tensor, FOUND_INF=found_inf is not None, ADAMW=adamw, DECAY=wd != 0.0,
-        DECAY_FMA=variant, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=4, enable_fp_fusion=False)
+        BLOCK=block, LR_PTR=lr_is_tensor, FOUND_INF=found_inf is not None, ADAMW=adamw, DECAY=wd != 0.0,
+        DECAY_FMA=variant, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=warps or WARPS, enable_fp_fusion=False)
 
 
 def step(opt: torch.optim.Optimizer, params: list[torch.Tensor], coef: torch.Tensor,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import run_distributed
+from _dist import DistPool
 
 # per rank and step: rank 0 meets a new length at steps 1 and 3, rank 1 at step 2:
 # every step has a rank that captures while the other replays
@@ -61,8 +61,22 @@ def _train_on_then_off(rank: int, world: int) -> tuple[dict, dict]:
     return on, _train(rank, world, "off")
 
 
-def test_rank_capturing_alone_stays_in_step_with_its_peer():
-    res = run_distributed(_train_on_then_off, 2, timeout=240)
+def _reset_between_tasks() -> None:
+    import graphcomp
+
+    torch._dynamo.reset()
+    graphcomp.reset()
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    """The module's two tests share one pair of ranks (starting a pair costs seconds in CI)."""
+    with DistPool(2, setup=_reset_between_tasks, timeout=240) as pool:
+        yield pool
+
+
+def test_rank_capturing_alone_stays_in_step_with_its_peer(ranks2):
+    res = ranks2.run(_train_on_then_off)
     on, off = [r[0] for r in res], [r[1] for r in res]
     for r in range(2):
         c = on[r]["counters"]
@@ -101,8 +115,8 @@ def _modes(rank: int, world: int) -> dict:
             "ran": mode.ran, "stood_in": mode.stood_in, "warmed": sorted(warmed), "check": check}
 
 
-def test_collectives_not_run_records_all_but_a_groups_first():
-    res = run_distributed(_modes, 2, timeout=120)
+def test_collectives_not_run_records_all_but_a_groups_first(ranks2):
+    res = ranks2.run(_modes, timeout=120)
     for r, d in enumerate(res):
         assert torch.equal(d["first"], torch.tensor([1.0] * 3 + [2.0] * 3)), d["first"]
         assert torch.equal(d["second"], torch.zeros(6)), d["second"]

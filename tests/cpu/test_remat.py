@@ -346,13 +346,25 @@ def _sharded_runs(rank, world):
     return out
 
 
-def test_sharded_2ranks_checkpoint_bitwise_and_one_frame(tmp_path):
+def _reset_between_tasks() -> None:
+    torch._dynamo.reset()
+    graphcomp.reset()
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    """The module's 2-rank tests share one pair of ranks (starting a pair costs seconds in CI)."""
+    from _dist import DistPool
+
+    with DistPool(2, setup=_reset_between_tasks, timeout=600) as pool:
+        yield pool
+
+
+def test_sharded_2ranks_checkpoint_bitwise_and_one_frame(ranks2):
     """2 gloo ranks, graphcomp.shard + torch.utils.checkpoint on every block: one
     compiled frame (no graph break at the checkpointed blocks), and remat under
     "auto" / "respect_user" is bitwise the unrewritten run, on every rank."""
-    from _dist import run_distributed
-
-    results = run_distributed(_sharded_runs, 2, timeout=600)
+    results = ranks2.run(_sharded_runs)
     for out in results:
         for name, (losses, params, counters, recs, _) in out.items():
             assert counters["frames_compiled"] == 1, (name, counters)
@@ -515,7 +527,7 @@ def _ckpt_vs_plain(rank, world, codegen):
 
 
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])
-def test_sharded_checkpointed_attention_trains(codegen):
+def test_sharded_checkpointed_attention_trains(ranks2, codegen):
     """Sharded parameters with torch.utils.checkpoint around attention blocks, 2 gloo
     ranks: losses and parameters bitwise those of the same model without
     checkpointing (eager codegen; Inductor: within fp32 rounding, its fusions
@@ -525,11 +537,8 @@ def test_sharded_checkpointed_attention_trains(codegen):
     tensors_saved_with_vc_check to be Tensors"); ``_compat.min_cut_partition``
     and Inductor's partitioner (``config.custom_partitioner_fn``) reorder the saved
     values (``_saved_tensors_before_opaque``)."""
-    from _dist import run_distributed
-
     same = torch.equal if codegen == "eager" else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
-    for (ck_losses, ck_state, ck_counters), (losses, state, _) in run_distributed(_ckpt_vs_plain, 2, codegen,
-                                                                                    timeout=600):
+    for (ck_losses, ck_state, ck_counters), (losses, state, _) in ranks2.run(_ckpt_vs_plain, codegen):
         assert ck_counters["frames_compiled"] == 1, ck_counters
         assert same(ck_losses, losses), (ck_losses, losses)
         assert ck_state.keys() == state.keys()

@@ -37,9 +37,19 @@ def _train(rank: int, world: int, cudagraphs: str) -> dict:
     return out
 
 
+def _train_on_then_off(rank: int, world: int) -> tuple[dict, dict]:
+    """Both runs in one pair of processes (starting a pair costs seconds in CI)."""
+    import graphcomp
+
+    on = _train(rank, world, "auto")
+    torch._dynamo.reset()
+    graphcomp.reset()
+    return on, _train(rank, world, "off")
+
+
 def test_batchnorm_buffers_of_a_sharded_model_match_graphs_off():
-    on = run_distributed(_train, 2, "auto", timeout=150)
-    off = run_distributed(_train, 2, "off", timeout=150)
+    res = run_distributed(_train_on_then_off, 2, timeout=300)
+    on, off = [r[0] for r in res], [r[1] for r in res]
     for r in range(2):
         c = on[r]["counters"]
         assert c.get("captures", 0) >= 2 and c.get("replays", 0) >= 8, c
