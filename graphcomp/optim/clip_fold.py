@@ -32,8 +32,10 @@ import torch
 
 from .. import _compat
 
-BLOCK = 2048  # elements per program
-WARPS = 4  # (16 elements per thread)
+# elements per program and warps: 2 H200s, 2^28 elements, against clip + fused AdamW at
+# 2.77 ms (e4c6eb0): 1024x4 2.36 ms, 2048x8 2.56, 2048x4 2.90, 4096x8 3.26, 8192x8 4.88
+BLOCK = 1024
+WARPS = 4
 _VARIANTS = (True, False)  # the weight decay's multiply-add fused (as nvcc contracts it) or not
 
 _kernel: Any = None
