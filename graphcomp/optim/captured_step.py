@@ -343,14 +343,19 @@ class CapturedStep:
         step those shards; then (after the mark) step the rest. Otherwise one phase.
         Each parameter's update is the one a single ``opt.step()`` makes (Adam, AdamW
         and SGD update each parameter on its own). Also returns the early shards' ids."""
-        early = self._early(params)
-        exact = self._exact_fold(params)
+        early, rest = self._split(params)
+        exact = self._exact_fold(params, [early, rest] if early else [params])
         if not early:
             return [lambda: self._clip_and_step(params, total, exact=exact)], frozenset()
         ids = frozenset(id(p) for p in early)
-        rest = [p for p in params if id(p) not in ids]
         return [lambda: self._clip_and_step(params, total, only=early, exact=exact),
                 lambda: self._clip_and_step(params, total, only=rest, clipped=True, exact=exact)], ids
+
+    def _split(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the shards stepped before the prefetch mark, the others); ([], params) without."""
+        early = self._early(params)
+        ids = {id(p) for p in early}
+        return early, [p for p in params if id(p) not in ids]
 
     def _run_phases(self, phases: list[Any], early: frozenset[int], run: Any = None) -> None:
         """Run ``phases`` in order (each through ``run``, e.g. into an IF node), with the
@@ -399,11 +404,12 @@ class CapturedStep:
         PREFETCH.issue([p for p in params if id(p) not in early], after=None)
         self._marked = frozenset()
 
-    def _exact_fold(self, params: list[torch.Tensor]) -> bool:
+    def _exact_fold(self, params: list[torch.Tensor], subsets: list[list[torch.Tensor]]) -> bool:
         """Whether this step clips and steps through :mod:`clip_fold`'s kernel
         (``fold_clip="auto"``): a fused Adam/AdamW whose kernel the probe matched bitwise,
-        float32 state already created, outside the reference mode. Says why not once
-        per reason."""
+        float32 state already created, the kernel's tables for each of ``subsets`` (the
+        phases' parameters) built (outside a capture: built now; inside: before it, by
+        :meth:`_capture`), outside the reference mode. Says why not once per reason."""
         if self.fold_clip != "auto" or self.max_norm is None or self.mode == "reference":
             return False
         why = clip_fold.refusal(self.opt)
@@ -423,6 +429,8 @@ class CapturedStep:
                     _, why = clip_fold.group_tensors(self.opt, group, ps)
                     if why is not None:
                         break
+        if why is None:
+            why = clip_fold.prepare(self.opt, subsets)
         if why != self._fold_why:
             self._fold_why = why
             if why is None:
@@ -516,6 +524,12 @@ class CapturedStep:
         self._with_grad = self._step_params = with_grad
         if self._copy_mode:
             self._make_grad_buffers()
+        if self.fold_clip == "auto" and self.max_norm is not None:
+            # the exact fold's probe and tables, which a capture cannot make (its copies
+            # would run only at replay), on the gradients the body will see
+            with self._bound():
+                early, rest = self._split(with_grad)
+                self._exact_fold(with_grad, [early, rest] if early else [with_grad])
         g = dev.new_graph()
         stream = RUNTIME.stream
         dev.wait(stream, dev.current_stream())

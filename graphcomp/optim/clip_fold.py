@@ -187,21 +187,24 @@ def group_tensors(opt: torch.optim.Optimizer, group: dict, params: list[torch.Te
     return lists, None
 
 
-_TABLES_CACHED = 4  # recent tables, by addresses (an eager step would rebuild them: ~20 ms of host time at W2)
+_TABLES_CACHED = 16  # recent tables, by addresses (an eager step would rebuild them: ~20 ms of host time at W2)
 _cache: dict[tuple, tuple[Any, ...]] = {}
 
 
-def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...]:
+def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...] | None:
     """Device tables: int64 [6, T] (pointers of P, G, M, V, step; numels) and int32
     [2, B] (each program's tensor and block), copied from pinned memory (a copy a
     capture can record; a captured graph reads its host and device tables at every
     replay, so whoever captures keeps the tuple alive). Returns (table, blocks,
     number of blocks, aligned, host table, host blocks). Cached by the addresses and
-    sizes, which are all the tables hold."""
+    sizes, which are all the tables hold. None inside a capture when not built before
+    (see :func:`prepare`)."""
     numels = [t.numel() for t in lists[0]]
     key = (block, *(t.data_ptr() for lst in lists for t in lst), *numels)
     hit = _cache.get(key)
-    if hit is not None:
+    if hit is not None or torch.cuda.is_current_stream_capturing():
+        # (never built inside a capture: its copy would run only at the graph's replays,
+        # and a later eager step finding it cached would read unwritten memory)
         return hit
     dev = lists[0][0].device
     host = torch.tensor([[t.data_ptr() for t in lst] for lst in lists] + [numels], dtype=torch.int64)
@@ -229,6 +232,8 @@ def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: tor
     adamw, _, beta1, beta2, wd, eps, maximize = key
     block = block or BLOCK
     tables = _table(lists, block)
+    if tables is None:
+        raise RuntimeError("graphcomp.optim.clip_fold: the kernel's tables were not prepared before the capture")
     table, blocks, n_blocks, aligned = tables[:4]
     if keep is not None and torch.cuda.is_current_stream_capturing():
         keep.append(tables)
@@ -247,17 +252,35 @@ def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: tor
         DECAY_FMA=variant, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=warps or WARPS, enable_fp_fusion=False)
 
 
+def _subsets(opt: torch.optim.Optimizer, params: list[torch.Tensor]):
+    want = {id(p) for p in params}
+    for group in opt.param_groups:
+        ps = [p for p in group["params"] if id(p) in want and p.grad is not None]
+        if ps:
+            yield group, ps
+
+
+def prepare(opt: torch.optim.Optimizer, subsets: list[list[torch.Tensor]]) -> str | None:
+    """Outside a capture: build (and cache) the tables of each of ``subsets`` (the
+    parameter lists the step will pass to :func:`step`), so that a capture finds them.
+    Inside one: None only if all are cached. Else why not."""
+    for params in subsets:
+        for group, ps in _subsets(opt, params):
+            lists, why = group_tensors(opt, group, ps)
+            if lists is None:
+                return why
+            if _table(lists, BLOCK) is None:
+                return "the kernel's tables were not built before this capture (the gradients moved?)"
+    return None
+
+
 def step(opt: torch.optim.Optimizer, params: list[torch.Tensor], coef: torch.Tensor,
          found_inf: torch.Tensor | None = None, keep: list | None = None) -> str | None:
     """Clip (multiply by ``coef``, a float32 0-dim device tensor) and step ``params``
     (those of ``opt`` with gradients) with the kernel. Returns None when done, else
     why not (nothing was changed then: the caller clips apart)."""
-    want = {id(p) for p in params}
     todo = []
-    for group in opt.param_groups:
-        ps = [p for p in group["params"] if id(p) in want and p.grad is not None]
-        if not ps:
-            continue
+    for group, ps in _subsets(opt, params):
         key = hyper_key(opt, group)
         variant = _probed.get(key)
         if variant is None or isinstance(variant, str):
