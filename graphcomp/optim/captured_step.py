@@ -421,15 +421,7 @@ class CapturedStep:
                 why = clip_fold.probed(self.opt)
             else:
                 why = clip_fold.probe(self.opt, device)
-        if why is None:
-            want = {id(p) for p in params}
-            for group in self.opt.param_groups:
-                ps = [p for p in group["params"] if id(p) in want and p.grad is not None]
-                if ps:
-                    _, why = clip_fold.group_tensors(self.opt, group, ps)
-                    if why is not None:
-                        break
-        if why is None:
+        if why is None:  # (the state, dtypes and layouts of each subset's tensors; their tables)
             why = clip_fold.prepare(self.opt, subsets)
         if why != self._fold_why:
             self._fold_why = why
