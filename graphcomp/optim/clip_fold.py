@@ -187,6 +187,15 @@ def group_tensors(opt: torch.optim.Optimizer, group: dict, params: list[torch.Te
     return lists, None
 
 
+def block_table(numels: list[int], block: int) -> torch.Tensor:
+    """int32 [2, B]: for each program, the tensor it updates and its block in that
+    tensor (``ceil(numel / block)`` programs a tensor, in order)."""
+    counts = (torch.tensor(numels, dtype=torch.int64) + block - 1) // block
+    first = torch.cumsum(counts, 0) - counts  # each tensor's first program
+    which = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    return torch.stack([which, torch.arange(int(counts.sum())) - first[which]]).to(torch.int32)
+
+
 _TABLES_CACHED = 16  # recent tables, by addresses (an eager step would rebuild them: ~20 ms of host time at W2)
 _cache: dict[tuple, tuple[Any, ...]] = {}
 
@@ -208,11 +217,7 @@ def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...] | Non
         return hit
     dev = lists[0][0].device
     host = torch.tensor([[t.data_ptr() for t in lst] for lst in lists] + [numels], dtype=torch.int64)
-    counts = (host[5] + block - 1) // block
-    first = torch.cumsum(counts, 0) - counts  # each tensor's first program
-    which = torch.repeat_interleave(torch.arange(len(numels)), counts)
-    host_blocks = torch.stack([which, torch.arange(int(counts.sum())) - first[which]]).to(torch.int32)
-    host, host_blocks = host.pin_memory(), host_blocks.pin_memory()
+    host, host_blocks = host.pin_memory(), block_table(numels, block).pin_memory()
     table = torch.empty(host.shape, dtype=host.dtype, device=dev).copy_(host, non_blocking=True)
     blocks = torch.empty(host_blocks.shape, dtype=host_blocks.dtype, device=dev).copy_(host_blocks, non_blocking=True)
     aligned = all(t.data_ptr() % 16 == 0 for lst in lists[:4] for t in lst)

@@ -391,6 +391,16 @@ def test_exact_clip_fold_refusals_name_the_reason(pg1):
     assert clip_fold.refusal(o) == ("no CUDA device" if not torch.cuda.is_available() else None)
 
 
+def test_clip_fold_block_table():
+    """The kernel's program table: each tensor gets ceil(numel / block) programs, in
+    order, numbered within it (a 1-element tensor one, an empty one none)."""
+    from graphcomp.optim.clip_fold import block_table
+
+    assert block_table([5000, 1, 0, 4096], 2048).tolist() == [[0, 0, 0, 1, 3, 3], [0, 1, 2, 0, 0, 1]]
+    assert block_table([2048], 2048).tolist() == [[0], [0]]
+    assert block_table([2049], 2048).dtype == torch.int32
+
+
 def test_default_clip_on_the_cpu_says_why_it_is_apart(pg1, dev):
     """fold_clip="auto" (the default) on the stand-in device: the clip runs apart (no
     CUDA), the step is bitwise torch's, and the decision names the reason once."""
