@@ -415,9 +415,10 @@ class CapturedStep:
         why = clip_fold.refusal(self.opt)
         if why is None and params:
             device = _compat.dtensor_local(params[0]).device
-            if device.type != "cuda":
-                why = "parameters not on CUDA"
-            elif torch.cuda.is_current_stream_capturing():  # (no probe inside a capture)
+            why = clip_fold.device_refusal(device)
+            if why is not None:
+                pass
+            elif RUNTIME.device.capture_active():  # (no probe inside a capture)
                 why = clip_fold.probed(self.opt)
             else:
                 why = clip_fold.probe(self.opt, device)

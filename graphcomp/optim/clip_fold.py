@@ -159,6 +159,15 @@ def refusal(opt: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def device_refusal(device: torch.device) -> str | None:
+    """Why parameters on ``device`` cannot take the kernel (None: CUDA)."""
+    return None if device.type == "cuda" else f"parameters on {device.type}, not CUDA"
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return _compat.dtensor_local(t)
 
@@ -211,7 +220,7 @@ def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...] | Non
     numels = [t.numel() for t in lists[0]]
     key = (block, *(t.data_ptr() for lst in lists for t in lst), *numels)
     hit = _cache.get(key)
-    if hit is not None or torch.cuda.is_current_stream_capturing():
+    if hit is not None or _capturing():
         # (never built inside a capture: its copy would run only at the graph's replays,
         # and a later eager step finding it cached would read unwritten memory)
         return hit
@@ -240,7 +249,7 @@ def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: tor
     if tables is None:
         raise RuntimeError("graphcomp.optim.clip_fold: the kernel's tables were not prepared before the capture")
     table, blocks, n_blocks, aligned = tables[:4]
-    if keep is not None and torch.cuda.is_current_stream_capturing():
+    if keep is not None and _capturing():
         keep.append(tables)
     if n_blocks == 0:
         return

@@ -391,6 +391,57 @@ def test_exact_clip_fold_refusals_name_the_reason(pg1):
     assert clip_fold.refusal(o) == ("no CUDA device" if not torch.cuda.is_available() else None)
 
 
+def test_fold_orchestration_with_a_stand_in_kernel(pg1, dev, monkeypatch):
+    """The captured step's side of the exact fold, on the stand-in device with the
+    kernel replaced by what it must equal (multiply the given gradients by the given
+    coefficient, then torch's fused step on those parameters alone): bitwise torch's
+    clip_grads_with_norm_ + opt.step() over the run (NaN step skipped), the tables
+    prepared before the capture for the parameters the step passes, one decision and
+    one count. The kernel itself is checked on GPUs (tests/gpu/test_clip_fold_gpu.py)."""
+    from graphcomp.optim import clip_fold
+
+    prepared, stepped = [], []
+
+    def fake_step(opt, params, coef, found_inf=None, keep=None):
+        assert coef.dim() == 0 and coef.dtype == torch.float32 and found_inf is None  # (IF nodes here)
+        stepped.append(len(params))
+        torch._foreach_mul_([_local(p.grad) for p in params], coef)
+        ids = {id(p) for p in params}
+        hidden = [(p, p.grad) for g in opt.param_groups for p in g["params"] if id(p) not in ids and p.grad is not None]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            opt.step()
+        finally:
+            for p, g in hidden:
+                p.grad = g
+        return None
+
+    def fake_prepare(opt, subsets):
+        if any(not opt.state.get(p) for ps in subsets for p in ps):
+            return "optimizer state not created yet"
+        prepared.append([len(ps) for ps in subsets])
+        return None
+
+    monkeypatch.setattr(clip_fold, "refusal", lambda opt: None)
+    monkeypatch.setattr(clip_fold, "device_refusal", lambda device: None)
+    monkeypatch.setattr(clip_fold, "probe", lambda opt, device: None)
+    monkeypatch.setattr(clip_fold, "probed", lambda opt: None)
+    monkeypatch.setattr(clip_fold, "prepare", fake_prepare)
+    monkeypatch.setattr(clip_fold, "step", fake_step)
+    step, norms, (m, o, rm, ro) = train_pair(torch.optim.AdamW, dict(lr=1e-2, fused=True, weight_decay=0.1))
+    n = len([p for p in m.parameters()])
+    assert step.mode == "captured" and graphcomp.counters["optimizer_clip_folds"] == 1
+    said = [d for d in step.decisions if d.startswith("clip")]
+    assert said == ["clip apart from the optimizer step: optimizer state not created yet",
+                    "clip folded into the fused optimizer kernel (graphcomp/optim/clip_fold.py: "
+                    "bitwise clip_grads_with_norm_ + opt.step(), one pass over the gradients fewer)"], step.decisions
+    # every step after the warm-up (the stand-in replays its recorded body; the NaN step
+    # is skipped by the IF node), all parameters in one call
+    assert len(stepped) >= STEPS - 2 and set(stepped) == {n}
+    assert prepared[0] == [n]  # before the capture, for the parameters the body passes
+
+
 def test_clip_fold_block_table():
     """The kernel's program table: each tensor gets ceil(numel / block) programs, in
     order, numbered within it (a 1-element tensor one, an empty one none)."""
