@@ -16,7 +16,7 @@ seconds each on a small CI machine)::
 
     @pytest.fixture(scope="module")
     def ranks2():
-        with DistPool(2, setup=_reset_between_tasks) as pool:
+        with DistPool(2, setup=reset_compile_state) as pool:
             yield pool
 
     def test_a(ranks2):
@@ -60,10 +60,20 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DistPool", "RankError", "free_port", "run_distributed"]
+__all__ = ["DistPool", "RankError", "free_port", "reset_compile_state", "run_distributed"]
 
 _DEFAULT_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
 _GRACE_S = 5.0  # after one rank fails, how long to wait for the others' reports
+
+
+def reset_compile_state() -> None:
+    """A shared pool's ``setup``: Dynamo's caches and graphcomp's session reset on every
+    rank before every task, so each task compiles as in fresh processes."""
+    import torch
+    import graphcomp
+
+    torch._dynamo.reset()
+    graphcomp.reset()
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import DistPool
+from _dist import DistPool, reset_compile_state
 
 # per rank and step: rank 0 meets a new length at steps 1 and 3, rank 1 at step 2:
 # every step has a rank that captures while the other replays
@@ -61,17 +61,10 @@ def _train_on_then_off(rank: int, world: int) -> tuple[dict, dict]:
     return on, _train(rank, world, "off")
 
 
-def _reset_between_tasks() -> None:
-    import graphcomp
-
-    torch._dynamo.reset()
-    graphcomp.reset()
-
-
 @pytest.fixture(scope="module")
 def ranks2():
     """The module's two tests share one pair of ranks (starting a pair costs seconds in CI)."""
-    with DistPool(2, setup=_reset_between_tasks, timeout=240) as pool:
+    with DistPool(2, setup=reset_compile_state, timeout=240) as pool:
         yield pool
 
 

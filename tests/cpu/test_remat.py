@@ -346,17 +346,12 @@ def _sharded_runs(rank, world):
     return out
 
 
-def _reset_between_tasks() -> None:
-    torch._dynamo.reset()
-    graphcomp.reset()
-
-
 @pytest.fixture(scope="module")
 def ranks2():
     """The module's 2-rank tests share one pair of ranks (starting a pair costs seconds in CI)."""
-    from _dist import DistPool
+    from _dist import DistPool, reset_compile_state
 
-    with DistPool(2, setup=_reset_between_tasks, timeout=600) as pool:
+    with DistPool(2, setup=reset_compile_state, timeout=600) as pool:
         yield pool
 
 

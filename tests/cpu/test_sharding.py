@@ -20,7 +20,7 @@ import graphcomp
 from graphcomp.models import Llama, TinyMLP, get_config, synthetic_batch
 from graphcomp.sharding import ShardInfo, full_state_dict, is_sharded, shard_info
 
-from _dist import DistPool, RankError
+from _dist import DistPool, RankError, reset_compile_state
 
 STEPS = 10
 LR = 1e-3
@@ -35,21 +35,15 @@ RTOL, PARAM_ATOL = 1e-5, 1e-3 * LR
 GRAD_RTOL = 1e-5
 
 
-def _reset_between_tasks() -> None:
-    """Runs on every rank before every task of a shared pool."""
-    torch._dynamo.reset()
-    graphcomp.reset()
-
-
 @pytest.fixture(scope="module")
 def ranks2():
-    with DistPool(2, setup=_reset_between_tasks) as pool:
+    with DistPool(2, setup=reset_compile_state) as pool:
         yield pool
 
 
 @pytest.fixture(scope="module")
 def ranks4():
-    with DistPool(4, setup=_reset_between_tasks) as pool:
+    with DistPool(4, setup=reset_compile_state) as pool:
         yield pool
 
 

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from _dist import DistPool, RankError
+from _dist import DistPool, RankError, reset_compile_state
 
 STEPS = 10
 GB, SEQ = 4, 16  # global batch (sequences), sequence length (divisible by tp: sequence parallel)
@@ -33,22 +33,15 @@ PASSES = ("chunk_lm_loss", "fuse_allgather_downcast", "fuse_grad_upcast", "bucke
           "remat", "schedule_prefetch", "zero_copy_buckets", "partition_graph", "cudagraphs")
 
 
-def _reset_between_tasks() -> None:
-    import graphcomp
-
-    torch._dynamo.reset()
-    graphcomp.reset()
-
-
 @pytest.fixture(scope="module")
 def ranks2():
-    with DistPool(2, setup=_reset_between_tasks, timeout=600) as pool:
+    with DistPool(2, setup=reset_compile_state, timeout=600) as pool:
         yield pool
 
 
 @pytest.fixture(scope="module")
 def ranks4():
-    with DistPool(4, setup=_reset_between_tasks, timeout=600) as pool:
+    with DistPool(4, setup=reset_compile_state, timeout=600) as pool:
         yield pool
 
 
