@@ -416,12 +416,8 @@ class CapturedStep:
         if why is None and params:
             device = _compat.dtensor_local(params[0]).device
             why = clip_fold.device_refusal(device)
-            if why is not None:
-                pass
-            elif RUNTIME.device.capture_active():  # (no probe inside a capture)
-                why = clip_fold.probed(self.opt)
-            else:
-                why = clip_fold.probe(self.opt, device)
+            if why is None:  # (no probe inside a capture: only its verdict)
+                why = clip_fold.probed(self.opt) if RUNTIME.device.capture_active() else clip_fold.probe(self.opt, device)
         if why is None:  # (the state, dtypes and layouts of each subset's tensors; their tables)
             why = clip_fold.prepare(self.opt, subsets)
         if why != self._fold_why:

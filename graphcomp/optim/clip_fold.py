@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..runtime.manager import RUNTIME
 
 # elements per program and warps: 2 H200s, 2^28 elements, against clip + fused AdamW at
 # 2.77 ms (e4c6eb0): 1024x4 2.36 ms, 2048x8 2.56, 2048x4 2.90, 4096x8 3.26, 8192x8 4.88
@@ -159,10 +160,6 @@ def refusal(opt: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def device_refusal(device: torch.device) -> str | None:
     """Why parameters on ``device`` cannot take the kernel (None: CUDA)."""
     return None if device.type == "cuda" else f"parameters on {device.type}, not CUDA"
@@ -220,7 +217,7 @@ def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...] | Non
     numels = [t.numel() for t in lists[0]]
     key = (block, *(t.data_ptr() for lst in lists for t in lst), *numels)
     hit = _cache.get(key)
-    if hit is not None or _capturing():
+    if hit is not None or RUNTIME.device.capture_active():
         # (never built inside a capture: its copy would run only at the graph's replays,
         # and a later eager step finding it cached would read unwritten memory)
         return hit
@@ -249,7 +246,7 @@ def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: tor
     if tables is None:
         raise RuntimeError("graphcomp.optim.clip_fold: the kernel's tables were not prepared before the capture")
     table, blocks, n_blocks, aligned = tables[:4]
-    if keep is not None and _capturing():
+    if keep is not None and RUNTIME.device.capture_active():
         keep.append(tables)
     if n_blocks == 0:
         return
