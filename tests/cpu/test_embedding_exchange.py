@@ -56,25 +56,12 @@ def ranks2():
         yield pool
 
 
-_RUNS: dict[str, list] = {}
-
-
-def _run_once(pool, fn, *args):
-    """``pool.run(fn, *args)``, run once per module for the same arguments and read by
-    every test that asks for it: each task starts from a fresh compile state with fixed
-    seeds (the same numbers every time), and each compile costs seconds of CI."""
-    key = repr((fn.__name__, args))
-    if key not in _RUNS:
-        _RUNS[key] = pool.run(fn, *args)
-    return _RUNS[key]
-
-
 def test_fp32_exchange_matches_the_table_gather(ranks2):
     # eager codegen: the exchange is a graph rewrite, the same under either codegen
     # (Inductor runs it in the regional-compilation test below, and on GPUs in
     # exchange2); two Inductor compiles less in CI
     gather = ranks2.run(_train, "gather", None, 3, "eager")
-    exch = _run_once(ranks2, _train, "exchange", None, 3, "eager")  # (also read by the "auto" test below)
+    exch = ranks2.run_once(_train, "exchange", None, 3, "eager")  # (also read by the "auto" test below)
     table_bytes = 2 * 66 * 32 * 4  # the tiny Llama's embedding gathered: 2 shards of 66 rows, fp32
     for g, x in zip(gather, exch):
         assert x["exchange"] and not g["exchange"]
@@ -250,8 +237,8 @@ def test_auto_gathers_on_gloo(ranks2):
 
 def test_auto_exchanges_when_the_ranks_agree(ranks2):
     # (the runs the fp32 test above and the regional test below read too)
-    auto = _run_once(ranks2, _auto, [(16, 16)] * 3)
-    exch = _run_once(ranks2, _train, "exchange", None, 3, "eager")
+    auto = ranks2.run_once(_auto, [(16, 16)] * 3)
+    exch = ranks2.run_once(_train, "exchange", None, 3, "eager")
     for a, x in zip(auto, exch):
         assert a["may_exchange"] and a["exchanged"] == [1, 0, 0], a["skipped"]  # compiled once, exchanging
         assert a["losses"] == x["losses"]  # the same graph as embedding="exchange": bitwise
@@ -292,7 +279,7 @@ def test_auto_exchanges_under_regional_compilation(ranks2):
     # the first region; the whole graph's exchange numbers (eager codegen) to fp32 rounding
     ind = {"codegen": "inductor", "prefetch_bytes": 2048}  # (regions are Inductor pieces)
     reg = ranks2.run(_auto, [(16, 16)] * 3, True, None, {**ind, "compile_regions": True, "region_min_nodes": 8})
-    whole = _run_once(ranks2, _auto, [(16, 16)] * 3)  # (eager codegen: one Inductor compile less)
+    whole = ranks2.run_once(_auto, [(16, 16)] * 3)  # (eager codegen: one Inductor compile less)
     for r, w in zip(reg, whole):
         assert r["exchanged"] == [1, 0, 0] and r["regions"] > 1, (r["skipped"], r["regions"])
         assert w["exchanged"] == [1, 0, 0] and w["regions"] == 0, (w["skipped"], w["regions"])

@@ -121,19 +121,6 @@ def ranks4():
         yield pool
 
 
-_RUNS: dict[str, list] = {}
-
-
-def _run_once(pool, cfg):
-    """``pool.run(_train_sharded, cfg)``, run once per module for the same config and
-    read by every test that asks for it: each run starts from a fresh compile state with
-    fixed seeds (the same numbers every time), and each compile costs seconds of CI."""
-    key = repr((pool.world_size, sorted(cfg.items())))
-    if key not in _RUNS:
-        _RUNS[key] = pool.run(_train_sharded, cfg)
-    return _RUNS[key]
-
-
 def _check(results, ref_losses, ref_params, rtol, atol):
     for losses, params, _ in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol)
@@ -173,7 +160,7 @@ def test_bf16_params_fused_is_bitwise_the_unfused_result_and_halves_the_bytes(ra
     bf16 weights as casting after it (a gather is a copy), so fuse on/off and bucket
     on/off are bitwise equal; and the fused graphs move half the bytes."""
     # (the fused and bucketed run is also read by the next test)
-    runs = {c: _run_once(ranks2, {"fuse": c[0], "bucket": c[1], "param_dtype": torch.bfloat16, "steps": 5}) for c in COMBOS}
+    runs = {c: ranks2.run_once(_train_sharded, {"fuse": c[0], "bucket": c[1], "param_dtype": torch.bfloat16, "steps": 5}) for c in COMBOS}
     base_losses, base_params, _ = runs[(False, False)][0]
     for c, res in runs.items():
         for losses, params, _ in res:
@@ -191,7 +178,7 @@ def test_bf16_params_track_the_fp32_reference(ranks2):
     loss): bf16 keeps 8 mantissa bits, so each matmul carries ~2^-8 = 0.4% relative
     rounding; over 2 layers and 5 SGD steps the loss stays within 2% of fp32."""
     ref_losses, _ = _reference(5, 1)
-    (losses, _, _), _ = _run_once(ranks2, {"fuse": True, "bucket": True, "param_dtype": torch.bfloat16, "steps": 5})
+    (losses, _, _), _ = ranks2.run_once(_train_sharded, {"fuse": True, "bucket": True, "param_dtype": torch.bfloat16, "steps": 5})
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
 
 
