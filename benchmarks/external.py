@@ -347,26 +347,28 @@ def build_graphcomp_embedding_exchange(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, embedding="exchange")
 
 
+def _with_fold_clip(ctx: Ctx, fold_clip: bool) -> Built:
+    """graphcomp with ``graphcomp.optim.capture(..., fold_clip=fold_clip)``: an option of
+    the captured optimizer, which only CUDA runs without ``--tp`` use."""
+    if ctx.device.type != "cuda":
+        raise NotRun("fold_clip is an option of the captured optimizer (CUDA)")
+    if ctx.tp > 1:
+        raise NotRun("fold_clip is an option of the captured optimizer, which --tp runs do not use")
+    return build_graphcomp(ctx, fold_clip=fold_clip)
+
+
 def build_graphcomp_fold_clip(ctx: Ctx) -> Built:
     """graphcomp with ``graphcomp.optim.capture(opt, max_norm=..., fold_clip=True)``: the
     clip coefficient applied inside fused AdamW (its grad_scale), no separate pass
     multiplying every gradient."""
-    if ctx.device.type != "cuda":
-        raise NotRun("fold_clip needs the captured optimizer's fused AdamW (CUDA)")
-    if ctx.tp > 1:
-        raise NotRun("fold_clip is an option of the captured optimizer, which --tp runs do not use")
-    return build_graphcomp(ctx, fold_clip=True)
+    return _with_fold_clip(ctx, True)
 
 
 def build_graphcomp_clip_apart(ctx: Ctx) -> Built:
     """graphcomp with ``graphcomp.optim.capture(opt, max_norm=..., fold_clip=False)``: the
     clip as its own pass over the gradients (the ablation row of the exact clip fold,
     ``fold_clip="auto"``)."""
-    if ctx.device.type != "cuda":
-        raise NotRun("the clip fold is an option of the captured optimizer (CUDA)")
-    if ctx.tp > 1:
-        raise NotRun("fold_clip is an option of the captured optimizer, which --tp runs do not use")
-    return build_graphcomp(ctx, fold_clip=False)
+    return _with_fold_clip(ctx, False)
 
 
 def build_graphcomp_exchange_fold_clip(ctx: Ctx) -> Built:
