@@ -50,6 +50,7 @@ def triton_available() -> bool:
 def _build_kernel() -> Any:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     @triton.jit
     def clip_adam_kernel(table, blocks, n_tensors, pow1_ptr, pow2_ptr, coef_ptr, lr_ptr, found_inf_ptr,
@@ -93,12 +94,15 @@ def _build_kernel() -> Any:
                 if DECAY_FMA:
                     param = tl.fma(-lr_wd, param, param)
                 else:
-                    param = param - lr_wd * param
+                    # mul_rn: a rounded multiply Triton may not contract into an fma
+                    param = param - libdevice.mul_rn(lr_wd, param)
             else:  # grad += param * weight_decay
                 if DECAY_FMA:
                     grad = tl.fma(param, weight_decay, grad)
                 else:
-                    grad = grad + param * weight_decay
+                    # torch 2.11's Adam rounds param * weight_decay before the add;
+                    # a plain `grad + param * wd` is contracted into an fma by Triton
+                    grad = grad + libdevice.mul_rn(param, weight_decay)
         exp_avg = tl.fma(beta1, exp_avg, tl.fma(-beta1, grad, grad))
         grad_sq = grad * grad
         exp_avg_sq = tl.fma(beta2, exp_avg_sq, tl.fma(-beta2, grad_sq, grad_sq))
