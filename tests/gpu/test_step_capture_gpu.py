@@ -42,6 +42,10 @@ def test_whole_step_captured_matches_the_step_as_it_is(tmp_path, ngpu):
                 and c.get("step_capture_failures", 0) == 0,
             "pieces run inline once captured": w["piece_replays"][2] == w["piece_replays"][-1],
             "the optimizer step recorded inline": c.get("optimizer_steps_in_step_graph") == 1,
+            # the demo's optimizer is fused AdamW: the clip folds into its kernel (the
+            # default fold_clip="auto"), inside the whole-step graph as in the plain step
+            "the clip folded in both": c.get("optimizer_clip_folds") == 1
+                and p["counters"].get("optimizer_clip_folds") == 1,
             "the forward/backward never fell back": c.get("cudagraph_fallbacks", 0) == 0,
             "parameters match the step as it is": r["params_max_rel"] <= 1e-6,
             "optimizer state matches": r["state_max_rel"] <= 1e-6,
