@@ -81,7 +81,10 @@ def _build_kernel() -> Any:
         else:
             lr = lr_value
 
-        grad = tl.load(g_ptr + offs, mask=mask) * coef  # the clip: grads *= coefficient
+        # the clip: grads *= coefficient, rounded as torch's own kernel stores it (a plain `*`
+        # here was contracted into an fma with the weight decay's add: Adam with L2 decay
+        # matched no variant on torch 2.11 until this multiply was mul_rn)
+        grad = libdevice.mul_rn(tl.load(g_ptr + offs, mask=mask), coef)
         tl.store(g_ptr + offs, grad, mask=mask)
         if MAXIMIZE:
             grad = -grad
@@ -100,8 +103,7 @@ def _build_kernel() -> Any:
                 if DECAY_FMA:
                     grad = tl.fma(param, weight_decay, grad)
                 else:
-                    # torch 2.11's Adam rounds param * weight_decay before the add;
-                    # a plain `grad + param * wd` is contracted into an fma by Triton
+                    # torch 2.11's Adam rounds param * weight_decay before the add
                     grad = grad + libdevice.mul_rn(param, weight_decay)
         exp_avg = tl.fma(beta1, exp_avg, tl.fma(-beta1, grad, grad))
         grad_sq = grad * grad
