@@ -13,11 +13,9 @@ one pass over the gradients fewer.
 That the arithmetic matches is checked, not assumed. Before the first use for a
 set of hyper-parameters, :func:`probe` runs torch's clip + ``_fused_adam(w)_`` and
 each variant of the kernel on random tensors with those hyper-parameters (the only
-place where builds differ is how the weight decay is rounded: torch's kernel takes it
-as a double, and nvcc may keep that in double or fuse the multiply-add;
-``DECAY_MODES``); the first variant whose parameters, moments and gradients are
-bitwise equal is kept. Where none is (another torch's kernel), the step clips apart
-and says why.
+place where compilers differ is whether the weight decay's multiply-add is fused);
+the variant whose parameters, moments and gradients are bitwise equal is kept. Where
+none is (another torch's kernel), the step clips apart and says why.
 
 Scope: Adam/AdamW with ``fused=True``, float32 parameters, gradients and moments,
 contiguous, on CUDA, no ``amsgrad``, float betas; ``lr`` a float or a device tensor;
@@ -39,16 +37,7 @@ from ..runtime.manager import RUNTIME
 # 2.77 ms (e4c6eb0): 1024x4 2.36 ms, 2048x8 2.56, 2048x4 2.90, 4096x8 3.26, 8192x8 4.88
 BLOCK = 1024
 WARPS = 4
-# How the weight decay's arithmetic is rounded: torch's kernel takes weight_decay (and lr)
-# as C++ doubles, and whether nvcc keeps that in double or contracts it into an fma
-# differs by build, so the probe tries these in order and keeps the first bitwise one.
-#   AdamW (param -= lr * wd * param): 0 = fma(-lr*wd, p, p) in float32, 1 = unfused float32
-#   Adam  (grad += param * wd):       0 = fma(p, wd, g) in float32, 1 = g + f32(p * wd),
-#     2 = f32(g + p * wd) in double (unfused), 3 = f32(fma(p, wd, g)) in double,
-#     4 = g + f32(p * wd computed in double)
-DECAY_MODES = {True: (0, 1), False: (0, 1, 2, 3, 4)}
-_MODE_NAMES = {0: "float32 fma", 1: "float32 unfused", 2: "float64 unfused", 3: "float64 fma",
-               4: "float64 product"}
+_VARIANTS = (True, False)  # the weight decay's multiply-add fused (as nvcc contracts it) or not
 
 _kernel: Any = None
 _probed: dict[tuple, Any] = {}  # hyper-parameters -> the matching variant, or a str: why none
@@ -64,9 +53,9 @@ def _build_kernel() -> Any:
 
     @triton.jit
     def clip_adam_kernel(table, blocks, n_tensors, pow1_ptr, pow2_ptr, coef_ptr, lr_ptr, found_inf_ptr,
-                         lr_value, beta1, beta2, weight_decay, wd_hi, wd_mid, wd_lo, eps,
+                         lr_value, beta1, beta2, weight_decay, eps,
                          BLOCK: tl.constexpr, LR_PTR: tl.constexpr, FOUND_INF: tl.constexpr,
-                         ADAMW: tl.constexpr, DECAY: tl.constexpr, DECAY_MODE: tl.constexpr,
+                         ADAMW: tl.constexpr, DECAY: tl.constexpr, DECAY_FMA: tl.constexpr,
                          MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(blocks + pid)
@@ -101,26 +90,15 @@ def _build_kernel() -> Any:
         if DECAY:
             if ADAMW:  # param -= lr * weight_decay * param
                 lr_wd = lr * weight_decay
-                if DECAY_MODE == 0:
+                if DECAY_FMA:
                     param = tl.fma(-lr_wd, param, param)
                 else:
                     param = param - lr_wd * param
             else:  # grad += param * weight_decay
-                if DECAY_MODE == 0:
+                if DECAY_FMA:
                     grad = tl.fma(param, weight_decay, grad)
-                elif DECAY_MODE == 1:
-                    grad = grad + param * weight_decay
                 else:
-                    # weight_decay as the double torch's kernel takes: hi + mid + lo, three
-                    # float32 parts whose sum in double is it exactly (see _split3)
-                    wd64 = (wd_hi.to(tl.float64) + wd_mid.to(tl.float64)) + wd_lo.to(tl.float64)
-                    p64 = param.to(tl.float64)
-                    if DECAY_MODE == 2:
-                        grad = (grad.to(tl.float64) + p64 * wd64).to(tl.float32)
-                    elif DECAY_MODE == 3:
-                        grad = tl.fma(p64, wd64, grad.to(tl.float64)).to(tl.float32)
-                    else:
-                        grad = grad + (p64 * wd64).to(tl.float32)
+                    grad = grad + param * weight_decay
         exp_avg = tl.fma(beta1, exp_avg, tl.fma(-beta1, grad, grad))
         grad_sq = grad * grad
         exp_avg_sq = tl.fma(beta2, exp_avg_sq, tl.fma(-beta2, grad_sq, grad_sq))
@@ -149,21 +127,6 @@ def _get_kernel() -> Any:
 def _f32(x: Any) -> float:
     """A Python number as the float32 torch's kernel casts it to (round to nearest)."""
     return float(torch.tensor(float(x), dtype=torch.float64).to(torch.float32))
-
-
-def _split3(x: float) -> tuple[float, float, float] | None:
-    """Three float32 values whose sum, added in double as the kernel adds them
-    ((hi + mid) + lo), is the double ``x`` exactly; None when there are none (a
-    weight decay so small or large that a part leaves float32's normal range)."""
-    parts = []
-    rest = float(x)
-    for _ in range(3):
-        part = _f32(rest)
-        parts.append(part)
-        rest = rest - part  # exact in double: part is rest rounded to 24 bits
-    hi, mid, lo = parts
-    ok = all(v == 0.0 or 1.2e-38 < abs(v) < 3.4e38 for v in parts) and (hi + mid) + lo == float(x)
-    return (hi, mid, lo) if ok else None
 
 
 def hyper_key(opt: torch.optim.Optimizer, group: dict) -> tuple:
@@ -271,18 +234,13 @@ def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...] | Non
     return out
 
 
-def launch(lists: list[list[torch.Tensor]], key: tuple, variant: int, coef: torch.Tensor,
+def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: torch.Tensor,
            lr: Any, found_inf: torch.Tensor | None, keep: list | None = None,
            block: int | None = None, warps: int | None = None) -> None:
     """The kernel over the local tensors ``lists`` (P, G, M, V, step), the step counts
     already incremented (as torch does before its kernel). While a capture records
-    it, its tables are appended to ``keep`` (the graph reads them at every replay).
-    ``variant`` is one of ``DECAY_MODES``."""
+    it, its tables are appended to ``keep`` (the graph reads them at every replay)."""
     adamw, _, beta1, beta2, wd, eps, maximize = key
-    wd_parts = _split3(wd) if variant >= 2 else (0.0, 0.0, 0.0)
-    if wd_parts is None:
-        raise ValueError(f"graphcomp.optim.clip_fold: weight_decay={wd!r} has no exact float32 split for "
-                         f"decay mode {variant} ({_MODE_NAMES[variant]})")
     block = block or BLOCK
     tables = _table(lists, block)
     if tables is None:
@@ -300,9 +258,9 @@ def launch(lists: list[list[torch.Tensor]], key: tuple, variant: int, coef: torc
     pow2 = torch.pow(torch.full((), beta2, dtype=torch.float32, device=steps.device).expand_as(steps), steps)
     _get_kernel()[(n_blocks,)](
         table, blocks, len(lists[0]), pow1, pow2, coef, lr if lr_is_tensor else coef, found_inf if found_inf is not None else coef,
-        0.0 if lr_is_tensor else _f32(lr), _f32(beta1), _f32(beta2), _f32(wd), *wd_parts, _f32(eps),
+        0.0 if lr_is_tensor else _f32(lr), _f32(beta1), _f32(beta2), _f32(wd), _f32(eps),
         BLOCK=block, LR_PTR=lr_is_tensor, FOUND_INF=found_inf is not None, ADAMW=adamw, DECAY=wd != 0.0,
-        DECAY_MODE=variant, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=warps or WARPS, enable_fp_fusion=False)
+        DECAY_FMA=variant, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=warps or WARPS, enable_fp_fusion=False)
 
 
 def _subsets(opt: torch.optim.Optimizer, params: list[torch.Tensor]):
@@ -404,10 +362,7 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
     fn(ref[0], ref[1], ref[2], ref[3], [], ref[4], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
        eps=eps, amsgrad=False, maximize=maximize)
     seen = []
-    for variant in DECAY_MODES[adamw] if wd else (0,):
-        if variant >= 2 and _split3(wd) is None:
-            seen.append(f"{_MODE_NAMES[variant]} decay: weight_decay={wd!r} cannot be passed exactly")
-            continue
+    for variant in _VARIANTS:
         got = make()
         torch._foreach_add_(got[4], 1)
         try:
@@ -417,7 +372,7 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
         diff = _differences(ref, got)
         if not diff:
             return variant
-        seen.append(f"{_MODE_NAMES[variant]} decay: {diff}")
+        seen.append(f"{'fused' if variant else 'unfused'} decay: {diff}")
     return (f"no variant of the kernel is bitwise torch's fused {'AdamW' if adamw else 'Adam'} on this torch "
             f"({torch.__version__}): " + "; ".join(seen))
 

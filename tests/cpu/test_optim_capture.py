@@ -452,22 +452,6 @@ def test_clip_fold_block_table():
     assert block_table([2049], 2048).dtype == torch.int32
 
 
-def test_clip_fold_weight_decay_split_is_exact():
-    """The double-precision decay modes get weight_decay as three float32 parts whose
-    sum in double, in the kernel's order, is the Python float exactly; a value whose
-    parts leave float32's normal range has no split (those modes are then skipped)."""
-    from graphcomp.optim.clip_fold import _split3
-
-    for wd in (0.1, 0.01, 1e-4, 0.05, 3e-7, 0.3333333333333333, 1.0, 0.0):
-        parts = _split3(wd)
-        assert parts is not None, wd
-        assert all(float(torch.tensor(v, dtype=torch.float32)) == v for v in parts), (wd, parts)
-        t = [torch.tensor(v, dtype=torch.float32).double() for v in parts]
-        assert float((t[0] + t[1]) + t[2]) == wd, (wd, parts)
-    assert _split3(0.1)[1] != 0.0  # 0.1 is not a float32: the parts carry the rest
-    assert _split3(1e-30) is None and _split3(1e39) is None
-
-
 def test_default_clip_on_the_cpu_says_why_it_is_apart(pg1, dev):
     """fold_clip="auto" (the default) on the stand-in device: the clip runs apart (no
     CUDA), the step is bitwise torch's, and the decision names the reason once."""
