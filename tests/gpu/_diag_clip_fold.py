@@ -1,7 +1,7 @@
 """Diagnosis of the exact clip fold on a GPU (not a test: ``python tests/gpu/_diag_clip_fold.py``).
 
 1. The probe's verdict for Adam/AdamW, weight decay 0 and 0.1, a float and a tensor
-   lr (None: a variant matched torch bitwise).
+   lr, maximize off and on (MATCH: a variant matched torch bitwise, and which).
 2. For Adam with L2 weight decay (not matched on torch 2.11): the first elements whose
    exp_avg differs, with their inputs and both results as float32 hex, and which of
    a few float32 orderings of ``grad = clip(grad) + weight_decay * param`` followed by
@@ -18,14 +18,19 @@ from graphcomp.optim import clip_fold
 
 
 def verdicts() -> None:
+    # MATCH prints the probe's table: hyper-parameters -> the variant kept (True: the
+    # weight decay's multiply-add fused)
     for cls in (torch.optim.AdamW, torch.optim.Adam):
         for wd in (0.0, 0.1):
             for lr in (3e-3, torch.tensor(3e-3, device="cuda")):
-                p = torch.nn.Parameter(torch.zeros(4, device="cuda"))
-                o = cls([p], lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, fused=True, capturable=True)
-                clip_fold._probed.clear()
-                r = clip_fold.probe(o, torch.device("cuda"))
-                print(cls.__name__, wd, type(lr).__name__, "->", r if r else f"MATCH {clip_fold._probed}", flush=True)
+                for maximize in (False, True):
+                    p = torch.nn.Parameter(torch.zeros(4, device="cuda"))
+                    o = cls([p], lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, maximize=maximize,
+                            fused=True, capturable=True)
+                    clip_fold._probed.clear()
+                    r = clip_fold.probe(o, torch.device("cuda"))
+                    print(cls.__name__, wd, type(lr).__name__, f"maximize={maximize}", "->",
+                          r if r else f"MATCH {clip_fold._probed}", flush=True)
 
 
 def _f(x: torch.Tensor) -> float:
