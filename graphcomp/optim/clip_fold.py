@@ -13,9 +13,10 @@ one pass over the gradients fewer.
 That the arithmetic matches is checked, not assumed. Before the first use for a
 set of hyper-parameters, :func:`probe` runs torch's clip + ``_fused_adam(w)_`` and
 each variant of the kernel on random tensors with those hyper-parameters (the only
-place where compilers differ is whether the weight decay's multiply-add is fused);
-the variant whose parameters, moments and gradients are bitwise equal is kept. Where
-none is (another torch's kernel), the step clips apart and says why.
+place where builds differ is how the weight decay's multiply-add is rounded, even
+from one element to the next: see ``_VARIANTS``); the variant whose parameters,
+moments and gradients are bitwise equal is kept. Where none is (another torch's
+kernel), the step clips apart and says why.
 
 Scope: Adam/AdamW with ``fused=True``, float32 parameters, gradients and moments,
 contiguous, on CUDA, no ``amsgrad``, float betas; ``lr`` a float or a device tensor;
@@ -37,7 +38,19 @@ from ..runtime.manager import RUNTIME
 # 2.77 ms (e4c6eb0): 1024x4 2.36 ms, 2048x8 2.56, 2048x4 2.90, 4096x8 3.26, 8192x8 4.88
 BLOCK = 1024
 WARPS = 4
-_VARIANTS = (True, False)  # the weight decay's multiply-add fused (as nvcc contracts it) or not
+# How the weight decay's multiply-add is rounded, by mode: 0 fused (one fma), 1 unfused
+# (the product rounded, then the add), 2 as torch 2.11's compiled fused Adam does it for
+# L2 decay without maximize: unfused in the first of the 4 elements a thread handles per
+# iteration, fused in the other three (nvcc contracted three of the four unrolled
+# copies; found from the probe's mismatch counts, which this reproduces exactly). The
+# probe tries them in order per hyper-parameters; AdamW and maximize match mode 0.
+_VARIANTS = {True: (0, 1), False: (0, 1, 2)}  # by AdamW
+_VARIANT_NAMES = {0: "fused decay", 1: "unfused decay", 2: "decay unfused in torch's first ILP lane"}
+# torch's multi_tensor_apply layout (ATen/native/cuda/MultiTensorApply.cuh), which mode 2
+# follows: chunks of 65536 elements, 512 threads, 4 elements a thread per iteration, as
+# 4 contiguous elements where the tensor's numel is a multiple of 4 and its four
+# pointers are 16-byte aligned, else strided by the block size
+TORCH_CHUNK, TORCH_THREADS, TORCH_ILP = 65536, 512, 4
 
 _kernel: Any = None
 _probed: dict[tuple, Any] = {}  # hyper-parameters -> the matching variant, or a str: why none
@@ -55,7 +68,8 @@ def _build_kernel() -> Any:
     def clip_adam_kernel(table, blocks, n_tensors, pow1_ptr, pow2_ptr, coef_ptr, lr_ptr, found_inf_ptr,
                          lr_value, beta1, beta2, weight_decay, eps,
                          BLOCK: tl.constexpr, LR_PTR: tl.constexpr, FOUND_INF: tl.constexpr,
-                         ADAMW: tl.constexpr, DECAY: tl.constexpr, DECAY_FMA: tl.constexpr,
+                         ADAMW: tl.constexpr, DECAY: tl.constexpr, DECAY_MODE: tl.constexpr,
+                         T_CHUNK: tl.constexpr, T_THREADS: tl.constexpr, T_ILP: tl.constexpr,
                          MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(blocks + pid)
@@ -90,15 +104,22 @@ def _build_kernel() -> Any:
         if DECAY:
             if ADAMW:  # param -= lr * weight_decay * param
                 lr_wd = lr * weight_decay
-                if DECAY_FMA:
+                if DECAY_MODE == 0:
                     param = tl.fma(-lr_wd, param, param)
                 else:
                     param = param - lr_wd * param
-            else:  # grad += param * weight_decay
-                if DECAY_FMA:
+            else:  # grad += param * weight_decay (the kernel is built without contraction)
+                if DECAY_MODE == 0:
                     grad = tl.fma(param, weight_decay, grad)
-                else:
+                elif DECAY_MODE == 1:
                     grad = grad + param * weight_decay
+                else:
+                    # the lane of torch's kernel that handles each element: its offset in
+                    # its chunk, modulo 4 on the vectorized path, else by block-size stride
+                    vec = tl.load(table + 6 * n_tensors + t) != 0
+                    c = offs % T_CHUNK
+                    lane = tl.where(vec, c % T_ILP, (c % (T_THREADS * T_ILP)) // T_THREADS)
+                    grad = tl.where(lane == 0, grad + param * weight_decay, tl.fma(param, weight_decay, grad))
         exp_avg = tl.fma(beta1, exp_avg, tl.fma(-beta1, grad, grad))
         grad_sq = grad * grad
         exp_avg_sq = tl.fma(beta2, exp_avg_sq, tl.fma(-beta2, grad_sq, grad_sq))
@@ -207,7 +228,8 @@ _cache: dict[tuple, tuple[Any, ...]] = {}
 
 
 def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...] | None:
-    """Device tables: int64 [6, T] (pointers of P, G, M, V, step; numels) and int32
+    """Device tables: int64 [7, T] (pointers of P, G, M, V, step; numels; whether
+    torch's kernel takes the tensor's vectorized path, see ``TORCH_ILP``) and int32
     [2, B] (each program's tensor and block), copied from pinned memory (a copy a
     capture can record; a captured graph reads its host and device tables at every
     replay, so whoever captures keeps the tuple alive). Returns (table, blocks,
@@ -222,7 +244,9 @@ def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...] | Non
         # and a later eager step finding it cached would read unwritten memory)
         return hit
     dev = lists[0][0].device
-    host = torch.tensor([[t.data_ptr() for t in lst] for lst in lists] + [numels], dtype=torch.int64)
+    vec = [int(n % TORCH_ILP == 0 and all(lst[i].data_ptr() % (4 * TORCH_ILP) == 0 for lst in lists[:4]))
+           for i, n in enumerate(numels)]
+    host = torch.tensor([[t.data_ptr() for t in lst] for lst in lists] + [numels, vec], dtype=torch.int64)
     host, host_blocks = host.pin_memory(), block_table(numels, block).pin_memory()
     table = torch.empty(host.shape, dtype=host.dtype, device=dev).copy_(host, non_blocking=True)
     blocks = torch.empty(host_blocks.shape, dtype=host_blocks.dtype, device=dev).copy_(host_blocks, non_blocking=True)
@@ -234,7 +258,7 @@ def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...] | Non
     return out
 
 
-def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: torch.Tensor,
+def launch(lists: list[list[torch.Tensor]], key: tuple, variant: int, coef: torch.Tensor,
            lr: Any, found_inf: torch.Tensor | None, keep: list | None = None,
            block: int | None = None, warps: int | None = None) -> None:
     """The kernel over the local tensors ``lists`` (P, G, M, V, step), the step counts
@@ -260,7 +284,7 @@ def launch(lists: list[list[torch.Tensor]], key: tuple, variant: bool, coef: tor
         table, blocks, len(lists[0]), pow1, pow2, coef, lr if lr_is_tensor else coef, found_inf if found_inf is not None else coef,
         0.0 if lr_is_tensor else _f32(lr), _f32(beta1), _f32(beta2), _f32(wd), _f32(eps),
         BLOCK=block, LR_PTR=lr_is_tensor, FOUND_INF=found_inf is not None, ADAMW=adamw, DECAY=wd != 0.0,
-        DECAY_FMA=variant, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=warps or WARPS, enable_fp_fusion=False)
+        DECAY_MODE=variant, T_CHUNK=TORCH_CHUNK, T_THREADS=TORCH_THREADS, T_ILP=TORCH_ILP, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=warps or WARPS, enable_fp_fusion=False)
 
 
 def _subsets(opt: torch.optim.Optimizer, params: list[torch.Tensor]):
@@ -325,8 +349,9 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def probe(opt: torch.optim.Optimizer, device: torch.device) -> str | None:
     """For each param group's hyper-parameters not probed yet: torch's clip + fused
-    kernel and each variant of this kernel on the same random tensors (two tensors,
-    one with a tail; steps 1 and 7; weight decay and maximize as the group has them);
+    kernel and each variant of this kernel on the same random tensors (five tensors:
+    tails, more than one chunk of torch's kernel, both of its paths, one parameter not
+    16-byte aligned; steps 1 and 7; weight decay and maximize as the group has them);
     keeps the first variant bitwise equal in parameters, moments and gradients.
     Returns None when every group has one, else why not. Must run outside a capture."""
     for group in opt.param_groups:
@@ -343,7 +368,10 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         lr = lr.detach().to(device=device, dtype=torch.float32).clone()
-    sizes = (3 * BLOCK + 5, 1000)
+    # both of torch's paths (numel a multiple of 4 or not; a parameter 4 bytes off a 16-byte
+    # boundary), over more than one of its chunks, and a tail for this kernel's blocks
+    sizes = (3 * BLOCK + 5, 1000, TORCH_CHUNK + 4464, TORCH_CHUNK + 4465, 4096)
+    offset = (0, 0, 0, 0, 1)  # elements before the parameter in its buffer
 
     def make() -> list[list[torch.Tensor]]:
         gen = torch.Generator().manual_seed(1234)
@@ -351,8 +379,9 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
         g = [torch.randn(n, generator=gen) * 3 for n in sizes]
         m = [torch.randn(n, generator=gen) * 0.1 for n in sizes]
         v = [torch.rand(n, generator=gen) * 0.01 for n in sizes]
-        s = [torch.tensor(0.0), torch.tensor(6.0)]
-        return [[t.to(device) for t in lst] for lst in (p, g, m, v, s)]
+        s = [torch.tensor(6.0 if i % 2 else 0.0) for i in range(len(sizes))]
+        p = [torch.empty(n + k, device=device)[k:].copy_(t) for t, n, k in zip(p, sizes, offset)]
+        return [p] + [[t.to(device) for t in lst] for lst in (g, m, v, s)]
 
     coef = torch.tensor(0.3712, dtype=torch.float32, device=device)
     ref = make()
@@ -362,7 +391,7 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
     fn(ref[0], ref[1], ref[2], ref[3], [], ref[4], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
        eps=eps, amsgrad=False, maximize=maximize)
     seen = []
-    for variant in _VARIANTS:
+    for variant in _VARIANTS[adamw] if wd else (0,):
         got = make()
         torch._foreach_add_(got[4], 1)
         try:
@@ -372,7 +401,7 @@ def _probe_one(opt: torch.optim.Optimizer, group: dict, key: tuple, device: torc
         diff = _differences(ref, got)
         if not diff:
             return variant
-        seen.append(f"{'fused' if variant else 'unfused'} decay: {diff}")
+        seen.append(f"{_VARIANT_NAMES[variant]}: {diff}")
     return (f"no variant of the kernel is bitwise torch's fused {'AdamW' if adamw else 'Adam'} on this torch "
             f"({torch.__version__}): " + "; ".join(seen))
 
