@@ -2,8 +2,9 @@
 torch's ``clip_grads_with_norm_`` + fused ``opt.step()``, bitwise, and its speed.
 
 ``test_kernel_is_bitwise_clip_then_fused_step``: real torch optimizers (Adam and
-AdamW, fused, capturable as graphcomp.optim.capture makes them), three parameters
-(one of 3,000,001 elements, one with a tail, a 1-element one), 5 steps with
+AdamW, fused, capturable as graphcomp.optim.capture makes them), four parameters
+(one of 3,000,001 elements, one with a tail, a 1-element one, one of 64,000 on torch's
+vectorized path), 5 steps with
 different gradients and clip coefficients (below 1, exactly 1): after every step the
 parameters, gradients, both moments and step counts of the fold are bitwise those of
 the twin that clips and steps with torch; for weight decay 0 and 0.1, maximize on
@@ -40,7 +41,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _pair(kind: str, lr_tensor: bool, wd: float, maximize: bool):
     gen = torch.Generator().manual_seed(0)
-    shapes = [(3_000_001,), (77, 130), (1,)]
+    # (64, 1000): numel a multiple of 4, so torch's kernel takes its vectorized path
+    shapes = [(3_000_001,), (77, 130), (1,), (64, 1000)]
     ps = [torch.nn.Parameter(torch.randn(s, generator=gen).cuda()) for s in shapes]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     cls = torch.optim.AdamW if kind == "AdamW" else torch.optim.Adam
