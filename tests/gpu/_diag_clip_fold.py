@@ -20,7 +20,7 @@ from graphcomp.optim import clip_fold
 
 
 def verdicts() -> None:
-    # MATCH prints the probe's table: hyper-parameters -> the variant kept (True: the
+    # MATCH prints the probe's table: hyper-parameters -> the variant kept (the
     # weight decay's rounding: clip_fold._VARIANTS)
     for cls in (torch.optim.AdamW, torch.optim.Adam):
         for wd in (0.0, 0.1):
