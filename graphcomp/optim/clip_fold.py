@@ -284,7 +284,8 @@ def launch(lists: list[list[torch.Tensor]], key: tuple, variant: int, coef: torc
         table, blocks, len(lists[0]), pow1, pow2, coef, lr if lr_is_tensor else coef, found_inf if found_inf is not None else coef,
         0.0 if lr_is_tensor else _f32(lr), _f32(beta1), _f32(beta2), _f32(wd), _f32(eps),
         BLOCK=block, LR_PTR=lr_is_tensor, FOUND_INF=found_inf is not None, ADAMW=adamw, DECAY=wd != 0.0,
-        DECAY_MODE=variant, T_CHUNK=TORCH_CHUNK, T_THREADS=TORCH_THREADS, T_ILP=TORCH_ILP, MAXIMIZE=maximize, ALIGNED=aligned, num_warps=warps or WARPS, enable_fp_fusion=False)
+        DECAY_MODE=variant, T_CHUNK=TORCH_CHUNK, T_THREADS=TORCH_THREADS, T_ILP=TORCH_ILP,
+        MAXIMIZE=maximize, ALIGNED=aligned, num_warps=warps or WARPS, enable_fp_fusion=False)
 
 
 def _subsets(opt: torch.optim.Optimizer, params: list[torch.Tensor]):
