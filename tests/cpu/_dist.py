@@ -22,6 +22,14 @@ seconds each on a small CI machine)::
     def test_a(ranks2):
         ranks2.run(_body, str(tmp_path))
 
+and across test modules: tests/cpu/conftest.py's session-scoped ``shared_ranks2`` and
+``shared_ranks4`` (``setup=reset_compile_state``, 600 s), which a module takes with its
+own per-call timeout::
+
+    @pytest.fixture(scope="module")
+    def ranks2(shared_ranks2):
+        return shared_ranks2.view(timeout=300)
+
 What it does for you:
 
 * spawns ``world_size`` fresh processes (``torch.multiprocessing``, start method
@@ -64,7 +72,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DistPool", "RankError", "free_port", "reset_compile_state", "run_distributed"]
+__all__ = ["DistPool", "PoolView", "RankError", "free_port", "reset_compile_state", "run_distributed"]
 
 _DEFAULT_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "2", "OMP_NUM_THREADS": "1"}
 _GRACE_S = 5.0  # after one rank fails, how long to wait for the others' reports
@@ -290,15 +298,20 @@ class DistPool:
                 msgs[m[1]] = m
         return msgs, None
 
-    def run_once(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    def run_once(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """``run(fn, *args)`` once per pool for the same function and arguments (dicts
         compared by their items, in any order); later calls return the first results.
         For tasks that start from a fresh compile state with fixed seeds, read by
         several tests: each compile costs seconds of CI."""
         key = repr((fn.__module__, fn.__qualname__, _canonical(args)))
         if key not in self._once:
-            self._once[key] = self.run(fn, *args)
+            self._once[key] = self.run(fn, *args, timeout=timeout)
         return self._once[key]
+
+    def view(self, timeout: float) -> "PoolView":
+        """This pool with another default per-call ``timeout`` (a test module's own limit
+        on a pool it shares with other modules, see ``shared_ranks2`` in conftest.py)."""
+        return PoolView(self, timeout)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """Run ``fn(rank, world_size, *args)`` on every rank; the results in rank order."""
@@ -321,6 +334,29 @@ class DistPool:
                 raise TimeoutError(f"{name} on {self.world_size} ranks: {err}; ranks killed")
             raise RankError("\n".join(failures + ([err] if err else [])))
         return [torch.load(io.BytesIO(msgs[r][3]), weights_only=False) for r in range(self.world_size)]
+
+
+class PoolView:
+    """A ``DistPool`` seen with its own default per-call timeout: ``run`` and
+    ``run_once`` go to the pool (same ranks, same ``run_once`` results)."""
+
+    def __init__(self, pool: DistPool, timeout: float):
+        self.pool = pool
+        self.timeout = timeout
+
+    @property
+    def world_size(self) -> int:
+        return self.pool.world_size
+
+    @property
+    def alive(self) -> bool:
+        return self.pool.alive
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        return self.pool.run(fn, *args, timeout=self.timeout if timeout is None else timeout)
+
+    def run_once(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return self.pool.run_once(fn, *args, timeout=self.timeout)
 
 
 def run_distributed(

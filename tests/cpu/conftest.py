@@ -37,3 +37,26 @@ def pg1():
         yield
     finally:
         dist.destroy_process_group()
+
+
+# One pool of 2 and one of 4 gloo ranks for the whole session: the multi-rank modules
+# whose tasks start from a fresh compile state (each resets Dynamo and graphcomp, or the
+# module's pool did it as its setup) take them with their own per-call timeout
+# (``shared_ranks2.view(timeout=...)``) instead of starting their own pair of processes
+# (5-7 s each on CI's 2 cores). Pools whose ranks differ (test_faults.py: the gloo
+# timeout is what it tests; test_rank_agreement.py: GRAPHCOMP_DEBUG in the ranks) stay
+# their modules' own. A task that fails kills the ranks; the next run starts new ones.
+@pytest.fixture(scope="session")
+def shared_ranks2():
+    from _dist import DistPool, reset_compile_state
+
+    with DistPool(2, setup=reset_compile_state, timeout=600) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def shared_ranks4():
+    from _dist import DistPool, reset_compile_state
+
+    with DistPool(4, setup=reset_compile_state, timeout=600) as pool:
+        yield pool

@@ -10,7 +10,6 @@ import torch
 import graphcomp
 from graphcomp.models import Llama, synthetic_batch
 
-from _dist import DistPool
 
 CHUNK = 5  # tokens per chunk: 32-token micro-batches run in 7 chunks
 RTOL, ATOL = 1e-5, 1e-6
@@ -129,9 +128,8 @@ def _train_sharded_with_collectives(rank, world, cfg):
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    with DistPool(2) as pool:
-        yield pool
+def ranks2(shared_ranks2):
+    return shared_ranks2.view(timeout=300)
 
 
 def _bwd(colls, kind):

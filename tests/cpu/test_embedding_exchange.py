@@ -19,8 +19,6 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import DistPool
-
 
 def _train(rank, world, mode, pdt, steps=3, codegen="inductor"):
     import graphcomp
@@ -51,9 +49,8 @@ def _train(rank, world, mode, pdt, steps=3, codegen="inductor"):
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    with DistPool(2, timeout=300) as pool:
-        yield pool
+def ranks2(shared_ranks2):
+    return shared_ranks2.view(timeout=300)
 
 
 def test_fp32_exchange_matches_the_table_gather(ranks2):

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 
-from _dist import DistPool
 from _fakecuda import fake_cuda_runtime, install_fake_device, install_pretend_cuda
 
 pytest.importorskip("transformers")
@@ -119,9 +118,8 @@ def _check(family, res, rtol):
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    with DistPool(2, timeout=600) as pool:
-        yield pool
+def ranks2(shared_ranks2):
+    return shared_ranks2.view(timeout=600)
 
 
 # Mixtral's default experts (transformers' grouped_mm fallback reads token counts on

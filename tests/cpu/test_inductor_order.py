@@ -15,7 +15,6 @@ import re
 import pytest
 import torch
 
-from _dist import DistPool
 
 SCHEDULE = {"bucket_bytes": 8192, "prefetch_bytes": 10**9}  # many buckets, all prefetched
 
@@ -79,9 +78,8 @@ def _train(rank, world, options):
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    with DistPool(2) as pool:
-        yield pool
+def ranks2(shared_ranks2):
+    return shared_ranks2.view(timeout=300)
 
 
 def test_default_keeps_graphcomps_order_and_the_option_lets_inductor_reorder(ranks2):

@@ -15,7 +15,6 @@ import graphcomp
 from graphcomp import optim as gopt
 from graphcomp.optim.captured_step import _MOVES_BEFORE_COPY
 
-from _dist import DistPool
 from _optim_standin import (  # noqa: F401 (fixtures dev, pg1)
     CONFIGS, STEPS, _local, assert_same, backward, copy_grads, dev, install_stand_in, lr_tensors_for, make, pg1, reference_step, schedule, train_pair,
 )
@@ -257,9 +256,8 @@ def _two_ranks(rank, world, tmp):
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    with DistPool(2) as pool:
-        yield pool
+def ranks2(shared_ranks2):
+    return shared_ranks2.view(timeout=300)
 
 
 def test_two_ranks_global_norm_skip_and_dcp(ranks2, tmp_path):

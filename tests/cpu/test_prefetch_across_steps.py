@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import graphcomp
-from _dist import DistPool
 from _graphs import gather, trace
 
 c10d = torch.ops._c10d_functional
@@ -157,9 +156,8 @@ def _train(rank, world, cfg):
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    with DistPool(2) as pool:
-        yield pool
+def ranks2(shared_ranks2):
+    return shared_ranks2.view(timeout=300)
 
 
 def test_prefetch_trains_bitwise_like_the_gather_it_replaces(ranks2):

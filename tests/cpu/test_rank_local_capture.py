@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import DistPool, reset_compile_state
 
 # per rank and step: rank 0 meets a new length at steps 1 and 3, rank 1 at step 2:
 # every step has a rank that captures while the other replays
@@ -62,10 +61,9 @@ def _train_on_then_off(rank: int, world: int) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def ranks2():
+def ranks2(shared_ranks2):
     """The module's two tests share one pair of ranks (starting a pair costs seconds in CI)."""
-    with DistPool(2, setup=reset_compile_state, timeout=240) as pool:
-        yield pool
+    return shared_ranks2.view(timeout=240)
 
 
 def test_rank_capturing_alone_stays_in_step_with_its_peer(ranks2):

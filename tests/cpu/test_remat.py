@@ -347,12 +347,9 @@ def _sharded_runs(rank, world):
 
 
 @pytest.fixture(scope="module")
-def ranks2():
+def ranks2(shared_ranks2):
     """The module's 2-rank tests share one pair of ranks (starting a pair costs seconds in CI)."""
-    from _dist import DistPool, reset_compile_state
-
-    with DistPool(2, setup=reset_compile_state, timeout=600) as pool:
-        yield pool
+    return shared_ranks2.view(timeout=600)
 
 
 def test_sharded_2ranks_checkpoint_bitwise_and_one_frame(ranks2):

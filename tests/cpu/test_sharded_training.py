@@ -12,7 +12,6 @@ import itertools
 import pytest
 import torch
 
-from _dist import DistPool
 
 STEPS = 10
 GLOBAL_BATCH, SEQ = 4, 16
@@ -110,15 +109,13 @@ def _train_sharded(rank, world, cfg):
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    with DistPool(2) as pool:
-        yield pool
+def ranks2(shared_ranks2):
+    return shared_ranks2.view(timeout=300)
 
 
 @pytest.fixture(scope="module")
-def ranks4():
-    with DistPool(4) as pool:
-        yield pool
+def ranks4(shared_ranks4):
+    return shared_ranks4.view(timeout=300)
 
 
 def _check(results, ref_losses, ref_params, rtol, atol):

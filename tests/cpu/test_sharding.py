@@ -20,7 +20,7 @@ import graphcomp
 from graphcomp.models import Llama, TinyMLP, get_config, synthetic_batch
 from graphcomp.sharding import ShardInfo, full_state_dict, is_sharded, shard_info
 
-from _dist import DistPool, RankError, reset_compile_state
+from _dist import PoolView, RankError
 
 STEPS = 10
 LR = 1e-3
@@ -36,18 +36,16 @@ GRAD_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    with DistPool(2, setup=reset_compile_state) as pool:
-        yield pool
+def ranks2(shared_ranks2):
+    return shared_ranks2.view(timeout=300)
 
 
 @pytest.fixture(scope="module")
-def ranks4():
-    with DistPool(4, setup=reset_compile_state) as pool:
-        yield pool
+def ranks4(shared_ranks4):
+    return shared_ranks4.view(timeout=300)
 
 
-def _pool(request, world: int) -> DistPool:
+def _pool(request, world: int) -> PoolView:
     return request.getfixturevalue(f"ranks{world}")
 
 

@@ -23,7 +23,6 @@ import math
 import pytest
 import torch
 
-from _dist import DistPool, RankError, reset_compile_state
 
 STEPS = 10
 GB, SEQ = 4, 16  # global batch (sequences), sequence length (divisible by tp: sequence parallel)
@@ -34,15 +33,13 @@ PASSES = ("chunk_lm_loss", "fuse_allgather_downcast", "fuse_grad_upcast", "bucke
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    with DistPool(2, setup=reset_compile_state, timeout=600) as pool:
-        yield pool
+def ranks2(shared_ranks2):
+    return shared_ranks2.view(timeout=600)
 
 
 @pytest.fixture(scope="module")
-def ranks4():
-    with DistPool(4, setup=reset_compile_state, timeout=600) as pool:
-        yield pool
+def ranks4(shared_ranks4):
+    return shared_ranks4.view(timeout=600)
 
 
 # ----------------------------------------------------------------- models
