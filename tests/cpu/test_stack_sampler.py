@@ -41,3 +41,38 @@ def test_innermost_repository_frame():
               ("/v/site-packages/torch/_ops.py", 865, "__call__")]
     assert stack_summary.innermost_ours(frames) == "graphcomp/optim/captured_step.py:335 _clip_and_step"
     assert stack_summary.innermost_ours(frames[2:]) == "-"
+
+
+THREADED = """import threading, time
+def compiling_in_a_thread():
+    time.sleep(1.6)
+def run_backward():  # stands for the autograd engine's wait on its device thread
+    t = threading.Thread(target=compiling_in_a_thread, name="autograd-device")
+    t.start(); t.join()
+run_backward()
+"""
+
+
+def test_working_thread_is_counted_when_the_main_thread_waits_in_the_engine(tmp_path):
+    (tmp_path / "prog.py").write_text(THREADED)
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    e.update(PYTHONPATH=f"{ROOT / 'benchmarks' / 'stack_sampler'}:{ROOT}", STACKS_DIR=str(tmp_path / "st"),
+             STACKS_S="0.3", RANK="0", LOCAL_RANK="0")
+    subprocess.run([sys.executable, str(tmp_path / "prog.py")], env=e, check=True, timeout=60)
+    text = next((tmp_path / "st").glob("stacks-*.txt")).read_text()
+    assert "--- thread autograd-device" in text
+    samples = stack_summary.parse(text)
+    # t.join() waits in threading.py: the main stack ends there, not in run_backward,
+    # so the thread is not spliced in; the thread's section is still written
+    assert all(f[2] != "compiling_in_a_thread" for _, fr in samples for f in fr)
+
+
+def test_engine_wait_splices_the_working_threads_stack():
+    text = ('=== t=1.0s\n  File "/v/site-packages/torch/autograd/graph.py", line 869, in _engine_run_backward\n'
+            '--- thread Dummy-3\n  File "/v/site-packages/torch/_inductor/scheduler.py", line 10, in fuse_nodes\n'
+            '  File "/v/site-packages/torch/_inductor/scheduler.py", line 20, in can_fuse\n'
+            '=== t=3.0s\n  File "/v/site-packages/torch/_inductor/graph.py", line 5, in run\n')
+    samples = stack_summary.parse(text)
+    assert [f[2] for f in samples[0][1]] == ["_engine_run_backward", "fuse_nodes", "can_fuse"]
+    out = stack_summary.inclusive(samples, "torch/_inductor/")
+    assert "1.0s  torch/_inductor/scheduler.py fuse_nodes" in out and "2.0s  torch/_inductor/graph.py run" in out
