@@ -464,6 +464,13 @@ def build_graphcomp_compile_regions(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"compile_regions": True})
 
 
+def build_graphcomp_fusion_inductor(ctx: Ctx) -> Built:
+    """graphcomp with ``inductor_fusion_search="inductor"``: Inductor's own fusion
+    search (pairs with the next 64 readers of a buffer, loop reordering on) instead
+    of graphcomp's default "fast" one (the A/B of that option: cold compile, step)."""
+    return build_graphcomp(ctx, options={"inductor_fusion_search": "inductor"})
+
+
 def build_graphcomp_whole_step_flat_buckets(ctx: Ctx) -> Built:
     """``graphcomp-whole_step`` with ``zero_copy_buckets`` off: its buckets gathered
     into one flat buffer and copied out, gradients packed into one (W1's A/B of that
@@ -581,6 +588,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-remat_auto-rs256": build_graphcomp_remat_auto_rs256,
     "graphcomp-remat_auto-gather": build_graphcomp_remat_auto_gather,
     "graphcomp-compile_regions": build_graphcomp_compile_regions,
+    "graphcomp-fusion_inductor": build_graphcomp_fusion_inductor,
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-whole_step-flat_buckets": build_graphcomp_whole_step_flat_buckets,
     "graphcomp-inductor_memory_reorder": build_graphcomp_inductor_memory_reorder,

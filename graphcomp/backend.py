@@ -153,7 +153,8 @@ class FrameCompiler:
                    for c in self.record.stages[stage]["collectives"])
         allow = self.cfg.inductor_memory_reorder or not ours
         replaced: list[bool] = []
-        with _compat.inductor_cache_key(self.joint_hook_obj), _compat.inductor_memory_reorder(allow, replaced):
+        with _compat.inductor_cache_key(self.joint_hook_obj), _compat.inductor_memory_reorder(allow, replaced), \
+                _compat.inductor_fusion_search(self.cfg.inductor_fusion_search):
             if self.plan.split_of(gm, stage) is not None:
                 out = self.compile_pieces(stage, gm, kwargs)
             else:
