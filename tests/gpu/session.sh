@@ -60,7 +60,8 @@ GRAPHCOMP_GPU_RESULTS="$OUT" run ranklocal2 200 python -m pytest -q -p no:cachep
 GRAPHCOMP_GPU_RESULTS="$OUT" run soak2 ${SOAK2_T:-560} python -m pytest -q -p no:cacheprovider "tests/gpu/test_soak_gpu.py::test_soak_1000_steps_varying_lengths[2]"
 GRAPHCOMP_GPU_RESULTS="$OUT" run diverge 300 python -m pytest -q -p no:cacheprovider tests/gpu/test_divergence_gpu.py
 GRAPHCOMP_GPU_RESULTS="$OUT" run wholestep ${WS_T:-540} python -m pytest -q -p no:cacheprovider tests/gpu/test_step_capture_gpu.py
-GRAPHCOMP_GPU_RESULTS="$OUT" run tp ${TP_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
+GRAPHCOMP_GPU_RESULTS="$OUT" run tp ${TP_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k tp2
+GRAPHCOMP_GPU_RESULTS="$OUT" run tp4 ${TP4_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k 2x2
 for z in zoo zoo2 exch2; do [ -d "$OUT/$z" ] && tar czf "$OUT/$z.tgz" -C "$OUT" "$z" && rm -rf "$OUT/$z"; done
 # the device tool returns a limited number of files: one archive for the JSON and the archives
 ( cd "$OUT" && f=$(ls *.json *.tgz 2>/dev/null; true) && [ -n "$f" ] && tar czf results.tar.gz $f && rm -f $f )

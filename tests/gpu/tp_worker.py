@@ -1,11 +1,16 @@
-"""Tensor parallel on 2 GPUs (launched by test_tp_gpu.py under torchrun): tp=2, dp=1.
+"""Tensor parallel (launched by test_tp_gpu.py under torchrun): tp = $GC_TP (default:
+the world size) on a (world / tp, tp) mesh ("dp", "tp"): tp=2, dp=1 on 2 GPUs, the
+2x2 mesh on 4.
 
 Every rank applies ``graphcomp.models.tp_plan`` (sequence parallel; loss parallel in
 the ``lp`` runs) to the ``tiny-tp`` Llama on ``mesh["tp"]``, shards it with
 ``graphcomp.shard(mesh=mesh, dp_dim="dp")`` and trains STEPS SGD steps, for each run
-of RUNS; rank 0 also trains the unsharded eager reference. A run records its losses,
+of RUNS; each dp rank trains on its share of the batch (``[dp_rank::dp]``), and the
+recorded loss is the mean over the dp ranks. Rank 0 also trains the unsharded eager
+reference on the whole batch. A run records its losses,
 parameters, graphcomp's counters and, from the frame summaries, every tensor-parallel
-collective of the compiled graphs with the piece that holds it and that piece's mode.
+collective of the compiled graphs with the piece that holds it and that piece's mode,
+and graphcomp's own (dp) collectives that sit outside a captured piece.
 Rank 0 writes the verdict JSON to argv[1].
 
 On the CPU (gloo) the same script is a dry run of its logic: CUDA graphs are off
@@ -57,8 +62,9 @@ def reference(device):
     return losses, {k: v.detach().float().cpu() for k, v in m.state_dict().items()}
 
 
-def tp_collectives() -> list[dict]:
-    """Every TP collective of the compiled fwd/bwd graphs with its piece's mode."""
+def tp_collectives(foreign: bool = True) -> list[dict]:
+    """Every TP collective (``foreign=False``: every graphcomp collective) of the
+    compiled fwd/bwd graphs with its piece's mode."""
     out = []
     for f in graphcomp.frame_summaries():
         for stage in ("fwd", "bwd"):
@@ -67,7 +73,7 @@ def tp_collectives() -> list[dict]:
                 continue
             modes = {f"piece_{r['piece']}": r["mode"] for r in st.get("partitions", [])}
             for c in st["collectives"]:
-                if c["foreign"]:
+                if bool(c["foreign"]) == foreign:
                     piece = c.get("piece")
                     out.append({"stage": stage, "kind": c["kind"], "piece": piece,
                                 "mode": modes.get(piece) if piece else None})
@@ -81,6 +87,7 @@ def train(device, mesh, codegen, cudagraphs, lp, param_dtype):
     graphcomp.reset()
     torch.manual_seed(0)
     m = Llama(CONFIG).to(device)
+    dp, dpr = mesh["dp"].size(), mesh["dp"].get_local_rank()
     parallelize_module(m, mesh["tp"], tp_plan(m, sequence_parallel=True, loss_parallel=lp))
     graphcomp.shard(m, mesh=mesh, dp_dim="dp", param_dtype=param_dtype)
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
@@ -88,16 +95,21 @@ def train(device, mesh, codegen, cudagraphs, lp, param_dtype):
     cm = torch.compile(m, backend="graphcomp", options=opts)
     losses = []
     for step in range(STEPS):
-        tok, tgt = synthetic_batch(m.cfg, BATCH, SEQ, seed=step, device=device)  # dp=1: every rank the whole batch
+        tok, tgt = synthetic_batch(m.cfg, BATCH, SEQ, seed=step, device=device)
+        tok, tgt = tok[dpr::dp], tgt[dpr::dp]  # this dp rank's sequences (dp=1: the whole batch)
         with loss_parallel() if lp else contextlib.nullcontext():
             loss = cm(tok, tgt)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = loss.detach()
-        losses.append((loss.to_local() if hasattr(loss, "to_local") else loss).item())
+        loss = (loss.to_local() if hasattr(loss, "to_local") else loss).clone()
+        if dp > 1:
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+        losses.append(loss.item() / dp)
     params = {k: v.float().cpu() for k, v in full_state_dict(m).items()}
-    return losses, params, dict(graphcomp.counters), tp_collectives()
+    dp_colls = [c for c in tp_collectives(foreign=False) if c["mode"] != "cudagraph"]
+    return losses, params, dict(graphcomp.counters), tp_collectives(), dp_colls
 
 
 def rel(a, b):
@@ -116,13 +128,16 @@ def main():
     torch.backends.cudnn.allow_tf32 = False
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
-    report = {"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+    tp = int(os.environ.get("GC_TP", world))
+    if world % tp:
+        raise SystemExit(f"tp_worker: GC_TP={tp} does not divide the world size {world}")
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    report = {"world": world, "tp": tp, "dp": world // tp, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "runs": {}}
     ref_losses, ref_params = reference(device) if rank == 0 else (None, None)
     results = {}
     for name, codegen, cg, lp, pdt in RUNS:
-        losses, params, counters, colls = train(device, mesh, codegen, cg, lp, pdt)
+        losses, params, counters, colls, dp_not_captured = train(device, mesh, codegen, cg, lp, pdt)
         results[name] = (losses, params)
         if rank != 0:
             continue
@@ -133,6 +148,7 @@ def main():
                  "tp_collectives": len(colls),
                  "tp_collectives_by_stage": {s: sum(c["stage"] == s for c in colls) for s in ("fwd", "bwd")},
                  "tp_collectives_not_captured": [c for c in colls if c["mode"] != "cudagraph"],
+                 "graphcomp_collectives_not_captured": dp_not_captured,
                  "eager_pieces": [f"{f['frame']}/{s}/{pt.get('piece')}: {pt.get('reason')}"
                                   for f in graphcomp.frame_summaries() for s, st in f["stages"].items()
                                   for pt in st.get("partitions", []) if pt.get("mode") != "cudagraph"],
@@ -147,8 +163,9 @@ def main():
             entry["bitwise_equal_to_" + base] = losses == bl and all(torch.equal(params[k], bp[k]) for k in params)
             entry["loss_max_rel_vs_" + base] = max(abs(a - b) / abs(b) for a, b in zip(losses, bl))
         report["runs"][name] = entry
-        short = {k: v for k, v in entry.items() if k not in ("losses", "tp_collectives_not_captured")}
-        short["tp_collectives_not_captured"] = len(entry["tp_collectives_not_captured"])
+        long = ("losses", "tp_collectives_not_captured", "graphcomp_collectives_not_captured")
+        short = {k: v for k, v in entry.items() if k not in long}
+        short.update({k: len(entry[k]) for k in long[1:]})
         print(json.dumps({"run": name, **short}), flush=True)
     if rank == 0:
         with open(out_path, "w") as f:
