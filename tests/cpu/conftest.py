@@ -1,8 +1,19 @@
 import os
 
-import pytest
-import torch
-import torch.distributed as dist
+# Inductor's C++ kernels without the vector ISA (scalar loops) in this process and in
+# every rank and subprocess it starts (they inherit the environment): a supported
+# Inductor setting (torch/_inductor/config.py cpp.vec_isa_ok) set before torch is
+# imported. With the machine's ISA every kernel's g++ run includes and optimizes
+# ATen's Vectorized templates: test_backend.py's Inductor-vs-Inductor test, empty
+# Inductor cache, this 2-core machine: g++ 34 calls, 41.5 s -> 24 calls, 20 s; test
+# 59 -> 32 s. Tests compare Inductor against Inductor under the same setting, and
+# against eager within their tolerances; test_codegens_match_eager[inductor] compiles
+# with the machine's vector ISA (what users get).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
