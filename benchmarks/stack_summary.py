@@ -5,7 +5,7 @@ innermost repository frame (each sample counts for the interval since the previo
 A sample whose main thread waits in the autograd engine counts the working thread's
 stack (on CUDA the backward, and its lazy compile, run on an autograd device thread).
 
-    python -m benchmarks.stack_summary benchmarks/results/...-stacks-....txt [--top 15]
+    python -m benchmarks.stack_summary benchmarks/results/...-stacks-....txt[.gz] [--top 15]
     python -m benchmarks.stack_summary FILE --inclusive torch/_inductor/ [--top 30]
 
 ``--inclusive PREFIX`` adds the seconds each function under PREFIX was on the stack
@@ -14,6 +14,7 @@ stack (on CUDA the backward, and its lazy compile, run on an autograd device thr
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 from collections import Counter
 
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--inclusive", metavar="PREFIX", help="also the inclusive seconds per function under PREFIX")
     a = ap.parse_args(argv)
-    with open(a.file) as f:
+    opener = gzip.open if a.file.endswith(".gz") else open
+    with opener(a.file, "rt") as f:
         samples = parse(f.read())
     print(summarize(samples, a.top))
     if a.inclusive:
