@@ -355,8 +355,8 @@ class PoolView:
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         return self.pool.run(fn, *args, timeout=self.timeout if timeout is None else timeout)
 
-    def run_once(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        return self.pool.run_once(fn, *args, timeout=self.timeout)
+    def run_once(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        return self.pool.run_once(fn, *args, timeout=self.timeout if timeout is None else timeout)
 
 
 def run_distributed(

@@ -62,9 +62,9 @@ def reference(device):
     return losses, {k: v.detach().float().cpu() for k, v in m.state_dict().items()}
 
 
-def tp_collectives(foreign: bool = True) -> list[dict]:
-    """Every TP collective (``foreign=False``: every graphcomp collective) of the
-    compiled fwd/bwd graphs with its piece's mode."""
+def graph_collectives(foreign: bool) -> list[dict]:
+    """Every TP collective (``foreign=True``) or every graphcomp collective
+    (``foreign=False``) of the compiled fwd/bwd graphs with its piece's mode."""
     out = []
     for f in graphcomp.frame_summaries():
         for stage in ("fwd", "bwd"):
@@ -108,8 +108,8 @@ def train(device, mesh, codegen, cudagraphs, lp, param_dtype):
             dist.all_reduce(loss, group=mesh["dp"].get_group())
         losses.append(loss.item() / dp)
     params = {k: v.float().cpu() for k, v in full_state_dict(m).items()}
-    dp_colls = [c for c in tp_collectives(foreign=False) if c["mode"] != "cudagraph"]
-    return losses, params, dict(graphcomp.counters), tp_collectives(), dp_colls
+    dp_colls = [c for c in graph_collectives(foreign=False) if c["mode"] != "cudagraph"]
+    return losses, params, dict(graphcomp.counters), graph_collectives(foreign=True), dp_colls
 
 
 def rel(a, b):
