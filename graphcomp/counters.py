@@ -85,6 +85,9 @@ class Counters(Mapping):
     """Split pieces run as FX graphs because Inductor cannot bind their scalar inputs."""
     regions: int = 0
     """Compile regions cut by partition_graph (Config.compile_regions)."""
+    region_cuts_in_flight: int = 0
+    """Region cuts inside captured pieces that leave a collective in flight (its wait
+    in the next region): the cuts moved to where the fewest bytes cross."""
     regions_compiled: int = 0
     """Compile regions (or pieces) compiled by Inductor, with compile_regions on."""
     regions_reused: int = 0

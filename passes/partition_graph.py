@@ -309,31 +309,98 @@ def _compute_nodes(ns: Sequence[fx.Node]) -> int:
     return sum(1 for m in ns if _is_compute(m))
 
 
-def region_cuts(nodes: Sequence[fx.Node], min_nodes: int) -> list[int]:
+def region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool = False) -> list[int]:
     """Positions ``p`` (a cut before ``nodes[p]``) that split ``nodes`` into regions.
 
-    A position is a candidate when it follows a collective's wait (the first
-    position after the wait that qualifies) and cuts no span between a collective
-    and its last wait, nor between a node and its last ``getitem``. Candidates are
-    taken in order once the region since the previous cut holds at least
-    ``min_nodes`` compute nodes; a last region smaller than that joins the one before."""
+    First the anchors: a position is a candidate when it follows a collective's wait
+    (the first position after the wait that qualifies) and cuts no span between a
+    collective and its last wait, nor between a node and its last ``getitem``.
+    Candidates are taken in order once the region since the previous cut holds at
+    least ``min_nodes`` compute nodes; a last region smaller than that joins the one
+    before. In a sharded transformer that gives one anchor per block.
+
+    Then each anchor moves to the position around it (between the midpoints to its
+    neighbouring anchors, leaving at least ``min_nodes // 2`` compute nodes on either
+    side) that the fewest bytes of values cross (:func:`crossing_bytes`), the nearest
+    to the anchor on a tie: a value that crosses a cut is written to memory
+    by one region and read back by the next, and the fusion Inductor would have made
+    of its producer and consumers is lost. The anchor itself, the first point after a
+    wait with nothing in flight, often sits mid-block, where a block's intermediates
+    are live (W3's backward on 2 H200s: the SwiGLU recomputation apart from its
+    gradient, 20 ms a step). With ``in_flight_ok`` (regions compiled apart inside one
+    captured piece) a cut may leave a collective in flight, its wait in a later
+    region; otherwise positions keep the anchors' rule. A multi-output node and its
+    getitems are never cut apart. Identical blocks give anchors at the same offset in
+    every block, and so the same moved cuts: the regions stay identical."""
+    anchors, free, tied = _anchor_cuts(nodes, min_nodes)
+    if not anchors:
+        return anchors
+    cost = crossing_bytes(nodes)
+    ok = [not tied[p] and (in_flight_ok or free[p]) for p in range(len(nodes) + 1)]
+    compute = [0]
+    for m in nodes:
+        compute.append(compute[-1] + _is_compute(m))
+    bounds = [0, *anchors, len(nodes)]
+    half = max(1, min_nodes // 2)  # a moved cut leaves at least this many compute nodes on either side
+    cuts: list[int] = []
+    for k in range(1, len(bounds) - 1):
+        a = bounds[k]
+        lo = max((bounds[k - 1] + a) // 2 + 1, cuts[-1] + 1 if cuts else 1)
+        hi = (a + bounds[k + 1]) // 2
+        prev = compute[cuts[-1]] if cuts else 0
+        best = min((p for p in range(lo, hi + 1) if ok[p] and compute[p] - prev >= half
+                    and compute[len(nodes)] - compute[p] >= half),
+                   key=lambda p: (cost[p], abs(p - a), p), default=a)
+        cuts.append(best)
+    return cuts
+
+
+def crossing_bytes(nodes: Sequence[fx.Node]) -> list[int]:
+    """``cost[p]``: the bytes of the values made by ``nodes[:p]`` that ``nodes[p:]``
+    read (from node values' fake tensors; a value of unknown size counts 0)."""
     pos = {n: i for i, n in enumerate(nodes)}
-    blocked = [0] * (len(nodes) + 2)  # difference array over positions
+    diff = [0] * (len(nodes) + 2)
+    for n in nodes:
+        last = max((pos[u] for u in n.users if u in pos), default=-1)
+        if last > pos[n]:
+            b = sum(max(graph_utils.nbytes(t), 0) for t in graph_utils.tensor_values(graph_utils.tensor_meta(n)))
+            diff[pos[n] + 1] += b
+            diff[last + 1] -= b
+    cost, run = [], 0
+    for p in range(len(nodes) + 1):
+        run += diff[p]
+        cost.append(run)
+    return cost
+
+
+def _anchor_cuts(nodes: Sequence[fx.Node], min_nodes: int) -> tuple[list[int], list[bool], list[bool]]:
+    """The anchor cuts of :func:`region_cuts`, and per position whether no collective
+    is in flight across it (``free``) and whether it cuts a node from its getitems
+    (``tied``)."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    blocked = [0] * (len(nodes) + 2)  # difference arrays over positions
+    getitems = [0] * (len(nodes) + 2)
     waits: list[int] = []
     for n in nodes:
         ends: list[int] = []
         if graph_utils.collective_kind(n) is not None:
             ends = [pos[w] for w in _wait_of(n) if w in pos]
-        ends += [pos[u] for u in n.users if u in pos and u.op == "call_function" and u.target is operator.getitem]
+        items = [pos[u] for u in n.users if u in pos and u.op == "call_function" and u.target is operator.getitem]
+        ends += items
         if ends and max(ends) > pos[n]:
             blocked[pos[n] + 1] += 1
             blocked[max(ends) + 1] -= 1
+        if items and max(items) > pos[n]:
+            getitems[pos[n] + 1] += 1
+            getitems[max(items) + 1] -= 1
         if graph_utils.is_target(n, c10d.wait_tensor.default):
             waits.append(pos[n])
-    free, run = [], 0
+    free, tied, run, run_g = [], [], 0, 0
     for p in range(len(nodes) + 1):
         run += blocked[p]
+        run_g += getitems[p]
         free.append(run == 0)
+        tied.append(run_g != 0)
     cuts: list[int] = []
     last, count = 0, [0]
     for m in nodes:
@@ -351,7 +418,7 @@ def region_cuts(nodes: Sequence[fx.Node], min_nodes: int) -> list[int]:
             last = p
     if cuts and count[len(nodes)] - count[cuts[-1]] < min_nodes:
         cuts.pop()
-    return cuts
+    return cuts, free, tied
 
 
 def plan_pieces(
@@ -429,13 +496,19 @@ def plan_pieces(
         for m in ns:
             m.meta.pop(REGION_META, None)
     spans = [[(0, len(ns))] for _, ns in merged]  # per piece: its regions' (start, end)
+    in_flight = [0] * len(merged)  # per piece: cuts that leave a collective in flight
     if region_min_nodes is not None:
         for k, (_, ns) in enumerate(merged):
-            bounds = [0, *region_cuts(ns, region_min_nodes), len(ns)]
+            cuts = region_cuts(ns, region_min_nodes, in_flight_ok=capture)
+            if cuts:
+                free = _anchor_cuts(ns, region_min_nodes)[1]
+                in_flight[k] = sum(1 for p in cuts if not free[p])
+            bounds = [0, *cuts, len(ns)]
             spans[k] = list(zip(bounds, bounds[1:]))
     if not capture:  # every region an eager piece
         merged = [["eager", ns[a:b]] for (_, ns), sp in zip(merged, spans) for a, b in sp]
         spans = [[(0, len(ns))] for _, ns in merged]
+        in_flight = [0] * len(merged)  # (cuts between eager pieces never leave a collective in flight)
     else:  # a unit of compilation inside the piece, which is captured whole
         for (_, ns), sp in zip(merged, spans):
             if len(sp) > 1:
@@ -456,7 +529,8 @@ def plan_pieces(
                 why = "not captured (no CUDA tensors, or cudagraphs off): a compile region"
         else:
             why = ""
-        rows.append({"piece": i, "mode": mode, "nodes": len(ns), "reason": why, "regions": len(spans[i])})
+        rows.append({"piece": i, "mode": mode, "nodes": len(ns), "reason": why, "regions": len(spans[i]),
+                     "region_cuts_in_flight": in_flight[i]})
     return assign, rows, sorted(reason.values(), key=lambda r: pos.get(_find(gm, r.node), 0))
 
 
@@ -541,6 +615,10 @@ def _split(gm: fx.GraphModule, ctx: PassContext, regions: int | None, capture: b
         total = sum(r["regions"] for r in rows)
         ctx.count("regions", total)
         ctx.counter("regions", total)
+        flying = sum(r["region_cuts_in_flight"] for r in rows)
+        if flying:
+            ctx.count("region_cuts_in_flight", flying)
+            ctx.counter("region_cuts_in_flight", flying)
         log.info("graphcomp %s: %d compile region(s) of >= %d compute nodes in %d piece(s) (Config.compile_regions)",
                  ctx.stage, total, regions, len(rows))
     for r in reasons:

@@ -647,12 +647,66 @@ def test_plan_pieces_regions_and_identical_region_keys():
     keys = []
     for r in rows:
         sub = getattr(split, f"piece_{r['piece']}")
+        # the cuts moved from after each wait to the block boundaries (the fewest bytes
+        # cross there): every region is one whole block, its gather first
+        first = next(n for n in sub.graph.nodes if n.op == "call_function")
+        assert first.target is c10d.all_gather_into_tensor.default, r
         keys.append(region_key(sub, piece_example_inputs(sub), []))
-    # the middle blocks are the same region (renamed nodes, same shapes): one key
-    assert keys[1] == keys[2] and None not in keys
-    # other static inputs, or another region, give another key
+    # the blocks are the same region (renamed nodes, same shapes): one key
+    assert len(set(keys)) == 1 and None not in keys
+    # other static inputs give another key
     assert region_key(getattr(split, "piece_1"), piece_example_inputs(getattr(split, "piece_1")), [0]) != keys[1]
-    assert keys[0] != keys[1]
+
+
+def test_region_cuts_move_to_where_the_fewest_bytes_cross():
+    """Each block computes ``h`` from the activation, then waits for its prefetched
+    weight (the next block's gather is issued right after), so the anchor, the first
+    point after a wait with nothing in flight, sits mid-block where ``h``, the
+    activation and the weight are live. With ``in_flight_ok`` (regions inside a
+    captured piece) the cuts move to the block boundaries, which only the activation
+    and the gather in flight cross; without it a cut never leaves a collective in
+    flight."""
+    from tests.cpu._graphs import trace
+
+    def f(x, a, *shards):
+        pending = c10d.all_gather_into_tensor(shards[0], 2, "g")
+        for k in range(len(shards)):
+            h = torch.relu(x @ a)
+            w = c10d.wait_tensor(pending).view(8, 8)
+            if k + 1 < len(shards):
+                pending = c10d.all_gather_into_tensor(shards[k + 1], 2, "g")
+            x = torch.relu(h @ w) + x
+        return x
+
+    gm = trace(f, torch.randn(4, 8), torch.randn(8, 8), *[torch.randn(32) for _ in range(4)])
+    nodes = _nodes(gm)
+    anchors = pg._anchor_cuts(nodes, 4)[0]
+    cost = pg.crossing_bytes(nodes)
+    moved = pg.region_cuts(nodes, min_nodes=4, in_flight_ok=True)
+    assert len(moved) == len(anchors) == 4
+    # the middle blocks: at the block's first matmul, with the block's gather in flight
+    for p in moved[1:3]:
+        assert anchors[0] < p < anchors[-1] and p not in anchors
+        assert nodes[p].target is torch.ops.aten.mm.default and nodes[p].args[1].op == "placeholder", nodes[p]
+        issued = sum(1 for n in nodes[:p] if n.target is c10d.all_gather_into_tensor.default)
+        waited = sum(1 for n in nodes[:p] if n.target is c10d.wait_tensor.default)
+        assert issued == waited + 1
+        # crossing: the (4, 8) fp32 activation and the gather's 64 fp32 values; at the
+        # anchors also h (4, 8)
+        assert cost[p] == 4 * 8 * 4 + 64 * 4
+    assert all(cost[p] <= cost[a] for p, a in zip(moved, anchors))
+    assert sum(cost[p] for p in moved) < sum(cost[p] for p in anchors)
+    # without in_flight_ok nothing is in flight across a cut: the middle anchors stay
+    # (every point of a block's first half has its gather in flight)
+    kept = pg.region_cuts(nodes, min_nodes=4)
+    assert kept[1:3] == anchors[1:3]
+    for p in kept:
+        issued = sum(1 for n in nodes[:p] if n.target is c10d.all_gather_into_tensor.default)
+        waited = sum(1 for n in nodes[:p] if n.target is c10d.wait_tensor.default)
+        assert issued == waited
+    # captured pieces: cut in flight, and counted
+    _, rows, _ = pg.plan_pieces(gm, region_min_nodes=4, predicate=lambda n: None, capture=True)
+    assert rows[0]["regions"] == 5 and rows[0]["region_cuts_in_flight"] >= 2
 
 
 def _const_graph(value, numel=1):
@@ -738,7 +792,8 @@ def test_captured_regions_with_folded_host_constants_share_one_key():
     keys = []
     for name, region in inner.named_children():
         keys.append(region_key(region, piece_example_inputs(region), []))
-    assert len(keys) == 4 and None not in keys and keys[1] == keys[2] and keys[0] != keys[1]
+    # cut at the block boundaries (the fewest bytes cross there): every region is one block
+    assert len(keys) == 4 and None not in keys and len(set(keys)) == 1
 
 
 def test_config_region_min_nodes_must_be_positive():

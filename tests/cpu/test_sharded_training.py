@@ -208,8 +208,9 @@ def test_compile_regions_captured_on_the_stand_in_device_match_the_reference(ran
     regions compiled apart and run in order inside each captured piece (one graph per
     piece, not per region: many graphs made ``cudaGraphLaunch`` block the host on W3),
     on the runtime's stand-in device (whose replays scribble over memory a real pool
-    could reuse), identical regions sharing one compiled function; the numbers are the
-    unsharded reference's."""
+    could reuse), identical regions sharing one compiled function, some cut with a
+    collective in flight (waited in the next region); the numbers are the unsharded
+    reference's."""
     ref_losses, ref_params = _reference(3, 1, model="tiny-deep")
     res = ranks2.run(_train_sharded, {"fuse": True, "bucket": True, "codegen": "inductor", "steps": 3,
                                       "model": "tiny-deep", "fake_cuda": True,
@@ -217,6 +218,8 @@ def test_compile_regions_captured_on_the_stand_in_device_match_the_reference(ran
     _check(res, ref_losses, ref_params, rtol=1e-4, atol=1e-5)
     for _, _, c in res:
         assert c["regions"] >= 10 and c["regions_reused"] >= 5, c
+        # cuts with a prefetched gather or a reduce-scatter in flight (its wait in the next region)
+        assert c.get("region_cuts_in_flight", 0) > 0, c
         assert c["pieces_captured"] <= 2 < c["regions"], c  # the forward and the backward: one graph each
         assert c.get("cudagraph_fallbacks", 0) == 0 and c.get("capture_failures", 0) == 0, c
         assert c.get("replays", 0) > 0, c
