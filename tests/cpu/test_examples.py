@@ -4,7 +4,10 @@ token-file data path with local weights).
 
 The end-to-end runs use ``--codegen eager`` (graphcomp's passes, FX graphs run as they
 are): one launch of the tiny preset takes about 17 s on 2 CPU cores that way, and
-about 57 s with Inductor (35 s of it compiling), too slow for CI. The resume check is
+about 57 s with Inductor (35 s of it compiling), too slow for CI. They train the tiny
+preset with one decoder layer instead of two (a ``--config`` file; the token-file
+test's saved model): what they check (checkpoints, resume, data, loading weights) is
+the same for one layer, and each launch compiles about a third faster. The resume check is
 bitwise: the resumed run restores parameters and AdamW moments exactly (DCP stores
 the tensors), the lr is a function of the step, each data row a function of (seed,
 micro-batch, row), and the same graphs run on the same 2 single-threaded ranks with
@@ -62,6 +65,13 @@ def _launch(cwd: Path, *args: str) -> str:
         pytest.fail(f"train_llm.py hung for {LAUNCH_TIMEOUT_S} s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}")
     assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-3000:]}\n{err[-6000:]}"
     return out
+
+
+def _one_layer_config(tl):
+    """The tiny preset with one decoder layer (a LlamaConfig; the launches compile it faster)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**tl.PRESETS["tiny-llama"], "num_hidden_layers": 1})
 
 
 def _metrics(path: Path) -> dict[int, dict]:
@@ -140,8 +150,10 @@ def test_bad_arguments_are_refused(tl, capsys):
 
 
 # ------------------------------------------------------- 2 ranks under torchrun
-def test_resume_gives_the_uninterrupted_runs_next_losses(tmp_path):
-    common = ["--steps", "6", "--grad-accum", "2", "--seq-len", "32", "--ckpt-interval", "3", "--log-interval", "2"]
+def test_resume_gives_the_uninterrupted_runs_next_losses(tmp_path, tl):
+    _one_layer_config(tl).save_pretrained(tmp_path / "one_layer")  # (config.json)
+    common = ["--config", "one_layer/config.json", "--steps", "6", "--grad-accum", "2", "--seq-len", "32",
+              "--ckpt-interval", "3", "--log-interval", "2"]
     out = _launch(tmp_path, *common, "--ckpt-dir", "a", "--metrics-file", "a.jsonl")
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["step_00000003", "step_00000006"]
     lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
@@ -173,10 +185,10 @@ def test_resume_gives_the_uninterrupted_runs_next_losses(tmp_path):
 
 
 def test_token_file_with_local_weights(tmp_path, tl):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**tl.PRESETS["tiny-llama"]), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(_one_layer_config(tl), attn_implementation="sdpa")
     with torch.no_grad():
         model.lm_head.weight.zero_()  # uniform next-token distribution: the first loss is exactly ln(vocab)
     model.save_pretrained(tmp_path / "init")
