@@ -129,7 +129,8 @@ def _check(results, ref_losses, ref_params, rtol, atol):
 @pytest.mark.parametrize("fuse, bucket", COMBOS)
 def test_fp32_2ranks_matches_unsharded_reference(ranks2, fuse, bucket):
     ref_losses, ref_params = _reference(STEPS, 1)
-    res = ranks2.run(_train_sharded, {"fuse": fuse, "bucket": bucket})
+    # (the fused and bucketed run is also read by test_zero_copy_buckets_is_bitwise_the_flat_buckets)
+    res = ranks2.run_once(_train_sharded, {"fuse": fuse, "bucket": bucket})
     _check(res, ref_losses, ref_params, rtol=1e-5, atol=1e-6)
     counters = res[0][2]
     assert counters.get("collective_buckets", 0) > 0 if bucket else counters.get("collective_buckets", 0) == 0
@@ -156,7 +157,8 @@ def test_bf16_params_fused_is_bitwise_the_unfused_result_and_halves_the_bytes(ra
     """param_dtype=bf16: casting the shard before the gather gives exactly the same
     bf16 weights as casting after it (a gather is a copy), so fuse on/off and bucket
     on/off are bitwise equal; and the fused graphs move half the bytes."""
-    # (the fused and bucketed run is also read by the next test)
+    # (the fused and bucketed run is also read by the next test; the fused unbucketed
+    # one by test_bf16_schedule_policies_are_bitwise_equal)
     runs = {c: ranks2.run_once(_train_sharded, {"fuse": c[0], "bucket": c[1], "param_dtype": torch.bfloat16, "steps": 5}) for c in COMBOS}
     base_losses, base_params, _ = runs[(False, False)][0]
     for c, res in runs.items():
@@ -239,9 +241,10 @@ def test_bf16_schedule_policies_are_bitwise_equal(ranks2):
     """Resharding, keeping, keeping the last, "auto" under a budget, any prefetch cap, and both
     scheduling passes off give bitwise the same training (scheduling only moves
     and re-runs gathers; a re-gather of the fused bf16 shard is the same bits)."""
-    base = ranks2.run(_train_sharded, {"fuse": True, "bucket": False, "param_dtype": torch.bfloat16, "steps": 3})
+    # (the base run is the fused unbucketed one of the bf16 test above: 5 steps, one compile less)
+    base = ranks2.run_once(_train_sharded, {"fuse": True, "bucket": False, "param_dtype": torch.bfloat16, "steps": 5})
     for name, extra in _SCHED.items():
-        res = ranks2.run(_train_sharded, {"fuse": True, "bucket": False, "param_dtype": torch.bfloat16, "steps": 3, **extra})
+        res = ranks2.run(_train_sharded, {"fuse": True, "bucket": False, "param_dtype": torch.bfloat16, "steps": 5, **extra})
         for (losses, params, _), (bl, bp, _) in zip(res, base):
             assert losses == bl, name
             for k in bp:
@@ -260,9 +263,10 @@ def test_zero_copy_buckets_is_bitwise_the_flat_buckets(ranks2):
     eager codegen: Inductor's lowering of the grouped collectives ran on GPUs, W1, W2
     and the HF zoo). The pass runs on CUDA graphs by default; here it is let onto the
     CPU graphs (FramePlan.zero_copy_cpu_graphs), and a default CPU run leaves them flat."""
-    for extra in ({"param_dtype": torch.bfloat16, "options": {"reshard_after_forward": False}}, {}):
-        on = ranks2.run(_train_sharded, {"fuse": True, "bucket": True, "steps": 2, "zero_copy_cpu": True, **extra})
-        flat = ranks2.run(_train_sharded, {"fuse": True, "bucket": True, "steps": 2, **extra})
+    # (fp32: 10 steps, the flat run is test_fp32_2ranks_matches_unsharded_reference[True-True]'s, one compile less)
+    for extra in ({"param_dtype": torch.bfloat16, "options": {"reshard_after_forward": False}, "steps": 2}, {}):
+        on = ranks2.run(_train_sharded, {"fuse": True, "bucket": True, "zero_copy_cpu": True, **extra})
+        flat = ranks2.run_once(_train_sharded, {"fuse": True, "bucket": True, **extra})
         for (losses, params, c), (fl, fp, fc) in zip(on, flat):
             assert losses == fl, extra
             for k in fp:
