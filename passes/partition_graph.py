@@ -22,12 +22,15 @@ why (a frozen :class:`SplitReason` per cut node)::
                       and the table lookups that read it
 
 With ``Config.compile_regions`` (Inductor codegen) the pieces are divided into
-*regions* (:func:`region_cuts`): after a collective's wait, at a point where no
-collective is in flight and no multi-output node is separated from its getitems,
-once the region since the last cut holds ``Config.region_min_nodes`` compute nodes.
-In a sharded transformer every block's gather (forward) or reduce-scatter
-(backward) gives one such point per block, so the regions are the blocks, and the
-codegen compiles each distinct region once (``graphcomp.runtime.codegen``). Where
+*regions* (:func:`region_cuts`). Anchors come first: after a collective's wait, at a
+point where no collective is in flight and no multi-output node is separated from
+its getitems, once the region since the last cut holds ``Config.region_min_nodes``
+compute nodes. In a sharded transformer every block's gather (forward) or
+reduce-scatter (backward) gives one such point per block. Each cut then moves from
+its anchor to the nearby point the fewest bytes of values cross (inside a captured
+piece a collective may be in flight across it, its wait in the next region), so the
+regions are the blocks, cut where little is live, and the codegen compiles each
+distinct region once (``graphcomp.runtime.codegen``). Where
 pieces are captured, a region is a unit of compilation only: each node carries its
 region's index within its piece (``node.meta[REGION_META]``), the codegen compiles
 the regions apart and runs them in order inside the piece, and the piece is still
