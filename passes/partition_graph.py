@@ -63,7 +63,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphcomp import _compat, graph_utils
+from graphcomp import _compat, graph_utils, memory
 from graphcomp.pipeline import PassContext, PassResult, register_pass
 from graphcomp.plan import EAGER_META, REASON_KINDS, Piece, SplitPlan, SplitReason  # noqa: F401 (REASON_KINDS, SplitReason: re-exported)
 
@@ -324,10 +324,12 @@ def region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool = F
 
     Then each anchor moves to the position around it (between the midpoints to its
     neighbouring anchors, leaving at least ``min_nodes // 2`` compute nodes on either
-    side) that the fewest bytes of values cross (:func:`crossing_bytes`), the nearest
-    to the anchor on a tie: a value that crosses a cut is written to memory
-    by one region and read back by the next, and the fusion Inductor would have made
-    of its producer and consumers is lost. The anchor itself, the first point after a
+    side) that the fewest bytes of Inductor-made values cross (:func:`crossing_bytes`):
+    such a value is written to memory by one region and read back by the next, and
+    the fusion Inductor would have made of its producer and consumers is lost. On a
+    tie, a point right after an extern kernel (a matmul: its output is in memory
+    anyway, and its pointwise consumers fuse in the next region as they would have),
+    then the nearest to the anchor. The anchor itself, the first point after a
     wait with nothing in flight, often sits mid-block, where a block's intermediates
     are live (W3's backward on 2 H200s: the SwiGLU recomputation apart from its
     gradient, 20 ms a step). With ``in_flight_ok`` (regions compiled apart inside one
@@ -353,19 +355,45 @@ def region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool = F
         prev = compute[cuts[-1]] if cuts else 0
         best = min((p for p in range(lo, hi + 1) if ok[p] and compute[p] - prev >= half
                     and compute[len(nodes)] - compute[p] >= half),
-                   key=lambda p: (cost[p], abs(p - a), p), default=a)
+                   key=lambda p: (cost[p], not makes_own_buffer(nodes[p - 1]), abs(p - a), p), default=a)
         cuts.append(best)
     return cuts
 
 
+# ops Inductor runs as extern kernels (cuBLAS, cuDNN / flash attention): their outputs
+# are written to memory whatever the cut, so a cut after one loses no fusion. Ops
+# outside aten and prims (collectives, custom ops) are fallback kernels, the same.
+_EXTERN = {
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "convolution", "convolution_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward",
+    "_efficient_attention_forward", "_efficient_attention_backward",
+}
+
+
+def makes_own_buffer(node: fx.Node) -> bool:
+    """True when the storage of ``node``'s value is an extern kernel's output (a
+    matmul, attention, a collective or a custom op), not a kernel Inductor generates
+    and could fuse with the value's consumers."""
+    root = memory.storage_root(node)
+    t = root.target
+    if root.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    return t.namespace not in ("aten", "prims") or t.overloadpacket.__name__ in _EXTERN
+
+
 def crossing_bytes(nodes: Sequence[fx.Node]) -> list[int]:
     """``cost[p]``: the bytes of the values made by ``nodes[:p]`` that ``nodes[p:]``
-    read (from node values' fake tensors; a value of unknown size counts 0)."""
+    read, counting only values an Inductor-generated kernel makes (an extern
+    kernel's output is written to memory whatever the cut: :func:`makes_own_buffer`).
+    Sizes come from the nodes' fake values; a value of unknown size counts 0."""
     pos = {n: i for i, n in enumerate(nodes)}
     diff = [0] * (len(nodes) + 2)
     for n in nodes:
         last = max((pos[u] for u in n.users if u in pos), default=-1)
-        if last > pos[n]:
+        if last > pos[n] and not makes_own_buffer(n):
             b = sum(max(graph_utils.nbytes(t), 0) for t in graph_utils.tensor_values(graph_utils.tensor_meta(n)))
             diff[pos[n] + 1] += b
             diff[last + 1] -= b
