@@ -870,3 +870,51 @@ def test_split_graph_returns_lazy_modules_whatever_split_module_builds(monkeypat
     for a, b in zip(gm(x, y), split(x, y)):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     assert "piece_0" in split.code  # the code is there when read
+
+
+@settings(max_examples=30, deadline=None)
+@given(blocks=st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), min_size=2, max_size=6),
+       prefetch=st.booleans(), min_nodes=st.integers(1, 12), in_flight_ok=st.booleans())
+def test_region_cuts_properties(blocks, prefetch, min_nodes, in_flight_ok):
+    """On random block graphs (matmuls and pointwise ops before and after each
+    block's gather wait, some with a multi-output ``var_mean`` and its getitems, the
+    gathers prefetched a block ahead or not): the moved cuts are as many as the
+    anchors, strictly increasing inside the graph, each region holds compute nodes,
+    no cut separates a node from its getitems, and without ``in_flight_ok`` none
+    leaves a collective in flight."""
+    from tests.cpu._graphs import trace
+
+    def f(x, a, *shards):
+        pending = c10d.all_gather_into_tensor(shards[0], 2, "g") if prefetch else None
+        for k, (pre, split, post) in enumerate(blocks):
+            for _ in range(pre):
+                x = torch.relu(x @ a)
+            w = c10d.wait_tensor(pending if prefetch else c10d.all_gather_into_tensor(shards[k], 2, "g")).view(8, 8)
+            if prefetch and k + 1 < len(blocks):
+                pending = c10d.all_gather_into_tensor(shards[k + 1], 2, "g")
+            if split:
+                v, m = torch.var_mean(x, dim=-1, keepdim=True)
+                x = (x - m) * v
+            x = torch.relu(x @ w) + x
+            if post:
+                x = x * 2
+        return x
+
+    gm = trace(f, torch.randn(4, 8), torch.randn(8, 8), *[torch.randn(32) for _ in blocks])
+    nodes = _nodes(gm)
+    pos = {n: i for i, n in enumerate(nodes)}
+    anchors = pg._anchor_cuts(nodes, min_nodes)[0]
+    cuts = pg.region_cuts(nodes, min_nodes, in_flight_ok=in_flight_ok)
+    assert len(cuts) == len(anchors)
+    assert all(0 < p < len(nodes) for p in cuts) and cuts == sorted(set(cuts))
+    for lo, hi in zip([0, *cuts], [*cuts, len(nodes)]):
+        assert any(pg._is_compute(m) for m in nodes[lo:hi])
+    for n in nodes:
+        items = [pos[u] for u in n.users if u.target is operator.getitem]
+        for p in cuts:
+            assert not (items and pos[n] < p <= max(items)), (n, p)
+    if not in_flight_ok:
+        for p in cuts:
+            issued = sum(1 for n in nodes[:p] if n.target is c10d.all_gather_into_tensor.default)
+            waited = sum(1 for n in nodes[:p] if n.target is c10d.wait_tensor.default)
+            assert issued == waited, p
