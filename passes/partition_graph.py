@@ -337,9 +337,14 @@ def region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool = F
     region; otherwise positions keep the anchors' rule. A multi-output node and its
     getitems are never cut apart. Identical blocks give anchors at the same offset in
     every block, and so the same moved cuts: the regions stay identical."""
+    return _region_cuts(nodes, min_nodes, in_flight_ok)[0]
+
+
+def _region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool) -> tuple[list[int], list[bool]]:
+    """:func:`region_cuts`, and per position whether no collective is in flight across it."""
     anchors, free, tied = _anchor_cuts(nodes, min_nodes)
     if not anchors:
-        return anchors
+        return anchors, free
     cost = crossing_bytes(nodes)
     ok = [not tied[p] and (in_flight_ok or free[p]) for p in range(len(nodes) + 1)]
     compute = [0]
@@ -357,7 +362,7 @@ def region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool = F
                     and compute[len(nodes)] - compute[p] >= half),
                    key=lambda p: (cost[p], not makes_own_buffer(nodes[p - 1]), abs(p - a), p), default=a)
         cuts.append(best)
-    return cuts
+    return cuts, free
 
 
 # ops Inductor runs as extern kernels (cuBLAS, cuDNN / flash attention): their outputs
@@ -530,10 +535,8 @@ def plan_pieces(
     in_flight = [0] * len(merged)  # per piece: cuts that leave a collective in flight
     if region_min_nodes is not None:
         for k, (_, ns) in enumerate(merged):
-            cuts = region_cuts(ns, region_min_nodes, in_flight_ok=capture)
-            if cuts:
-                free = _anchor_cuts(ns, region_min_nodes)[1]
-                in_flight[k] = sum(1 for p in cuts if not free[p])
+            cuts, free = _region_cuts(ns, region_min_nodes, in_flight_ok=capture)
+            in_flight[k] = sum(1 for p in cuts if not free[p])
             bounds = [0, *cuts, len(ns)]
             spans[k] = list(zip(bounds, bounds[1:]))
     if not capture:  # every region an eager piece

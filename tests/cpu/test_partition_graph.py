@@ -614,6 +614,12 @@ def _nodes(gm):
     return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
 
 
+def _gathers_in_flight(nodes, p):
+    """Gathers issued before position ``p`` and not yet waited there."""
+    issued = sum(1 for n in nodes[:p] if n.target is c10d.all_gather_into_tensor.default)
+    return issued - sum(1 for n in nodes[:p] if n.target is c10d.wait_tensor.default)
+
+
 def test_region_cuts_follow_waits_and_skip_inflight_spans():
     gm = _blocks_graph(3)
     nodes = _nodes(gm)
@@ -622,17 +628,12 @@ def test_region_cuts_follow_waits_and_skip_inflight_spans():
     assert len(cuts) == 2
     for p in cuts:
         assert nodes[p - 1].target is not c10d.all_gather_into_tensor.default
-        before = nodes[:p]
-        issued = [n for n in before if n.target is c10d.all_gather_into_tensor.default]
-        waited = [n for n in before if n.target is c10d.wait_tensor.default]
-        assert len(issued) == len(waited), "a collective is in flight across a region cut"
+        assert _gathers_in_flight(nodes, p) == 0, "a collective is in flight across a region cut"
     # with prefetch, the cut moves past the next issue's wait: still nothing in flight across a cut
     gm2 = _blocks_graph(3, inflight_across=True)
     nodes2 = _nodes(gm2)
     for p in pg.region_cuts(nodes2, min_nodes=4):
-        issued = sum(1 for n in nodes2[:p] if n.target is c10d.all_gather_into_tensor.default)
-        waited = sum(1 for n in nodes2[:p] if n.target is c10d.wait_tensor.default)
-        assert issued == waited
+        assert _gathers_in_flight(nodes2, p) == 0
     # a last region below min_nodes joins the one before; min_nodes above the graph: no cut
     assert pg.region_cuts(nodes, min_nodes=len(nodes)) == []
 
@@ -686,9 +687,7 @@ def test_region_cuts_move_to_where_the_fewest_bytes_cross():
         mm = nodes[p - 1]
         assert mm.target is torch.ops.aten.mm.default and mm.args[1].op == "placeholder", mm
         assert nodes[p].target is torch.ops.aten.relu.default
-        issued = sum(1 for n in nodes[:p] if n.target is c10d.all_gather_into_tensor.default)
-        waited = sum(1 for n in nodes[:p] if n.target is c10d.wait_tensor.default)
-        assert issued == waited + 1
+        assert _gathers_in_flight(nodes, p) == 1
         assert cost[p] == 4 * 8 * 4  # x; the matmul's output and the gather are extern kernels' buffers
     assert all(cost[a] == 2 * 4 * 8 * 4 for a in anchors[1:])  # x and h
     # without in_flight_ok nothing is in flight across a cut: the middle anchors stay
@@ -696,9 +695,7 @@ def test_region_cuts_move_to_where_the_fewest_bytes_cross():
     kept = pg.region_cuts(nodes, min_nodes=4)
     assert kept[1:3] == anchors[1:3]
     for p in kept:
-        issued = sum(1 for n in nodes[:p] if n.target is c10d.all_gather_into_tensor.default)
-        waited = sum(1 for n in nodes[:p] if n.target is c10d.wait_tensor.default)
-        assert issued == waited
+        assert _gathers_in_flight(nodes, p) == 0
     # captured pieces: cut in flight, and counted
     _, rows, _ = pg.plan_pieces(gm, region_min_nodes=4, predicate=lambda n: None, capture=True)
     assert rows[0]["regions"] == 5 and rows[0]["region_cuts_in_flight"] >= 3
@@ -915,6 +912,4 @@ def test_region_cuts_properties(blocks, prefetch, min_nodes, in_flight_ok):
             assert not (items and pos[n] < p <= max(items)), (n, p)
     if not in_flight_ok:
         for p in cuts:
-            issued = sum(1 for n in nodes[:p] if n.target is c10d.all_gather_into_tensor.default)
-            waited = sum(1 for n in nodes[:p] if n.target is c10d.wait_tensor.default)
-            assert issued == waited, p
+            assert _gathers_in_flight(nodes, p) == 0, p
