@@ -717,6 +717,12 @@ def test_crossing_bytes_counts_only_values_inductor_kernels_make():
     by = {n.name: n for n in _nodes(gm)}
     assert pg.makes_own_buffer(by["mm"]) and pg.makes_own_buffer(by["wait_tensor"])
     assert not pg.makes_own_buffer(by["relu"]) and not pg.makes_own_buffer(by["view"])
+    # before the first sum, the matmul's output (read by the last sum), the gathered
+    # values and relu's view all cross; only the (4, 8) fp32 view counts
+    nodes = _nodes(gm)
+    cost = pg.crossing_bytes(nodes)
+    p = nodes.index(by["sum_1"])
+    assert cost[p] == 4 * 8 * 4 and cost[nodes.index(by["relu"])] == 0
 
 
 def _const_graph(value, numel=1):
