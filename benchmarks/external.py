@@ -464,6 +464,13 @@ def build_graphcomp_compile_regions(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"compile_regions": True})
 
 
+def build_graphcomp_whole_graph(ctx: Ctx) -> Built:
+    """graphcomp with ``compile_regions=False``: every stage graph compiled whole, as
+    before ``"auto"`` became the default (the A/B of regional compilation on deep
+    models, where ``"auto"`` cuts regions)."""
+    return build_graphcomp(ctx, options={"compile_regions": False})
+
+
 def build_graphcomp_fusion_inductor(ctx: Ctx) -> Built:
     """graphcomp with ``inductor_fusion_search="inductor"``: Inductor's own fusion
     search (pairs with the next 64 readers of a buffer, loop reordering on) instead
@@ -588,6 +595,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-remat_auto-rs256": build_graphcomp_remat_auto_rs256,
     "graphcomp-remat_auto-gather": build_graphcomp_remat_auto_gather,
     "graphcomp-compile_regions": build_graphcomp_compile_regions,
+    "graphcomp-whole_graph": build_graphcomp_whole_graph,
     "graphcomp-fusion_inductor": build_graphcomp_fusion_inductor,
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-whole_step-flat_buckets": build_graphcomp_whole_step_flat_buckets,

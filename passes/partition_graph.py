@@ -37,6 +37,9 @@ the regions apart and runs them in order inside the piece, and the piece is stil
 captured as one CUDA graph (one graph per region made ``cudaGraphLaunch`` block the
 host once ~10 were queued: W3 on 2 H200s, cc0dbab). Where nothing is captured (CPU
 graphs, ``cudagraphs="off"``) the regions are eager pieces, each Inductor-compiled.
+``compile_regions="auto"`` (the default) keeps the regions only in captured pieces
+of a graph with static shapes that cuts into at least ``Config.region_auto_min``
+regions (a deep model); other graphs compile whole.
 
 Rewrites the graph with ``split_module(keep_original_order=True)`` into a
 top-level glue graph calling ``piece_0 .. piece_N`` (original node order kept);
@@ -50,7 +53,7 @@ cudagraphs pass adds its runner plan to the pieces, the codegen
 
 No-op (nothing split, numerics untouched) when the graph holds no CUDA tensors
 (all CPU runs and CI) or ``Config.cudagraphs == "off"`` or the cudagraphs pass is
-disabled, unless ``Config.compile_regions`` asks for regions.
+disabled, unless ``Config.compile_regions=True`` asks for regions.
 """
 
 from __future__ import annotations
@@ -616,10 +619,11 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Cut the stage graph at nodes CUDA graphs cannot capture (see module docstring)."""
     cfg = ctx.config
     mode = getattr(cfg, "cudagraphs", "off")
-    regions = cfg.region_min_nodes if (cfg.compile_regions and cfg.codegen == "inductor") else None
+    regions = cfg.region_min_nodes if (cfg.compile_regions is not False and cfg.codegen == "inductor") else None
+    eager_regions = regions if cfg.compile_regions is True else None  # "auto" only regions captured pieces
     if mode == "off" or not cfg.pass_enabled("cudagraphs"):
-        if regions is not None:
-            return _split(gm, ctx, regions, capture=False)
+        if eager_regions is not None:
+            return _split(gm, ctx, eager_regions, capture=False)
         return ctx.unchanged(gm, "cudagraphs off (Config.cudagraphs='off' or the cudagraphs pass is disabled): no split")
     if not has_cuda_tensors(gm):
         if mode == "require":
@@ -630,8 +634,8 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 f"CUDA tensor (a CPU model or CPU inputs): nothing in it can be captured. Move the model and its "
                 f"inputs to a CUDA device, or use cudagraphs='auto' (captures what it can) or 'off'."
             )
-        if regions is not None:
-            return _split(gm, ctx, regions, capture=False)
+        if eager_regions is not None:
+            return _split(gm, ctx, eager_regions, capture=False)
         return ctx.unchanged(gm, "no CUDA tensors in the graph: nothing to capture, no split")
     folded = fold_host_constants(gm, to_users_device=cfg.codegen == "inductor")
     if folded:
@@ -641,10 +645,30 @@ def partition_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return _split(gm, ctx, regions, capture=True)
 
 
+def _auto_regions_refused(gm: fx.GraphModule, rows: list[dict[str, Any]], cfg: Any) -> str | None:
+    """Why ``compile_regions="auto"`` compiles this stage graph whole (None: it
+    takes the regions ``plan_pieces`` cut): too few regions for the reuse to pay, or
+    symbolic shapes (regions with them are never reused)."""
+    total = sum(r["regions"] for r in rows)
+    if total < cfg.region_auto_min:
+        return f"{total} region(s) < region_auto_min={cfg.region_auto_min}"
+    vals = [p.meta.get("val") for p in gm.graph.nodes if p.op == "placeholder"]
+    if graph_utils.has_symbolic_shapes([v for v in vals if v is not None]):
+        return "symbolic shapes (such regions are never reused)"
+    return None
+
+
 def _split(gm: fx.GraphModule, ctx: PassContext, regions: int | None, capture: bool) -> PassResult:
     cfg = ctx.config
     assign, rows, reasons = plan_pieces(gm, cfg.split_ops, cfg.min_piece_nodes, region_min_nodes=regions,
                                         capture=capture)
+    if regions is not None and cfg.compile_regions == "auto":
+        refused = _auto_regions_refused(gm, rows, cfg)
+        if refused is not None:
+            log.info("graphcomp %s: compile_regions='auto' compiles the graph whole: %s", ctx.stage, refused)
+            ctx.note(f"compile_regions='auto': whole graph ({refused})")
+            regions = None
+            assign, rows, reasons = plan_pieces(gm, cfg.split_ops, cfg.min_piece_nodes, capture=capture)
     if regions is not None:
         total = sum(r["regions"] for r in rows)
         ctx.count("regions", total)
@@ -653,9 +677,9 @@ def _split(gm: fx.GraphModule, ctx: PassContext, regions: int | None, capture: b
         if flying:
             ctx.count("region_cuts_in_flight", flying)
             ctx.counter("region_cuts_in_flight", flying)
-        log.info("graphcomp %s: %d compile region(s) of >= %d compute nodes in %d piece(s) (Config.compile_regions); "
+        log.info("graphcomp %s: %d compile region(s) of >= %d compute nodes in %d piece(s) (Config.compile_regions=%r); "
                  "cuts where the fewest bytes cross, %d of them with a collective in flight (waited in the next region)",
-                 ctx.stage, total, regions, len(rows), flying)
+                 ctx.stage, total, regions, len(rows), cfg.compile_regions, flying)
     for r in reasons:
         ctx.count(f"cut:{r.kind}")
     n_cg = sum(1 for r in rows if r["mode"] == "cudagraph")

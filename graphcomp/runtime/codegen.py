@@ -116,7 +116,10 @@ def compile_pieces(
     glue_static = _glue_static_idxs(split, list(inputs.static_idxs))
     piece_strides: dict[str, list[Any]] = {}
     calls = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
-    reuse: dict[str, tuple[Any, list[Any]]] | None = {} if getattr(cfg, "compile_regions", False) else None
+    # regions share compiled functions: each region an eager piece (compile_regions=True,
+    # no capture), or pieces partition_graph divided into regions (True or "auto")
+    regional = getattr(cfg, "compile_regions", False) is True or any(p.regions > 1 for p in plan.pieces)
+    reuse: dict[str, tuple[Any, list[Any]]] | None = {} if regional else None
     same_code: dict[str, tuple[str, list[str]]] = {}  # code -> (first region with it, its key parts)
     for piece in plan.pieces:
         name = piece.name

@@ -585,11 +585,11 @@ def test_cpu_scalar_graph_input_still_cuts():
 
 
 # ------------------------------------------------------------------ compile regions
-def _blocks_graph(n_blocks=3, inflight_across=False):
+def _blocks_graph(n_blocks=3, inflight_across=False, mode="fake"):
     """A forward of ``n_blocks`` identical blocks, each gathering its weight (issue,
     wait, 3 matmul+relu); with ``inflight_across`` block k's gather is issued before
-    block k-1's compute (prefetch), so no point between blocks is free of it."""
-    from tests.cpu._graphs import trace
+    block k-1's compute (prefetch), so no point between blocks is free of it.
+    ``mode``: make_fx's tracing mode ("symbolic": symbolic shapes)."""
 
     def f(x, *shards):
         if not inflight_across:
@@ -607,7 +607,7 @@ def _blocks_graph(n_blocks=3, inflight_across=False):
                 x = torch.relu(x @ w)
         return x
 
-    return trace(f, torch.randn(4, 8), *[torch.randn(32) for _ in range(n_blocks)])
+    return fake_trace(f, torch.randn(4, 8), *[torch.randn(32) for _ in range(n_blocks)], mode=mode)
 
 
 def _nodes(gm):
@@ -815,6 +815,66 @@ def test_config_region_min_nodes_must_be_positive():
     with pytest.raises(ValueError, match="region_min_nodes"):
         Config.from_options({"region_min_nodes": 0})
     assert Config.from_options({"compile_regions": True}).compile_regions is True
+
+
+def _gathered_blocks(n_blocks, symbolic=False):
+    """``_blocks_graph`` stamped on CUDA: one region per block with ``region_min_nodes=4``."""
+    return cudaify(_blocks_graph(n_blocks, mode="symbolic" if symbolic else "fake"))
+
+
+@pytest.mark.parametrize("n_blocks, auto_min, expect", [(6, 6, 6), (6, 7, 1), (5, 16, 1)])
+def test_compile_regions_auto_cuts_deep_captured_graphs_only(n_blocks, auto_min, expect):
+    """``compile_regions="auto"`` (the default) keeps the regions of a captured Inductor
+    graph that cuts into at least ``region_auto_min`` of them, and compiles a shallower
+    graph whole (one piece, no region tags, no ``regions`` count), saying so."""
+    assert Config().compile_regions == "auto" and Config().region_auto_min == 16
+    gm = _gathered_blocks(n_blocks)
+    _, ctx = run_partition(gm, "fwd", codegen="inductor", region_min_nodes=4, region_auto_min=auto_min)
+    split = ctx.frame.splits["fwd"]
+    assert [p.mode for p in split.pieces] == ["cudagraph"]
+    assert split.pieces[0].regions == expect
+    piece = getattr(split.split, split.pieces[0].name)
+    tagged = {n.meta.get(pg.REGION_META) for n in piece.graph.nodes if n.op not in ("placeholder", "output")}
+    if expect > 1:
+        assert ctx.record.counts["regions"] == expect and tagged == set(range(expect))
+        assert not any("compile_regions='auto'" in n for n in ctx.record.notes)
+    else:
+        assert "regions" not in ctx.record.counts and tagged == {None}
+        assert any(f"region_auto_min={auto_min}" in n for n in ctx.record.notes)
+    # compile_regions=True keeps them whatever the count; False never cuts
+    _, on = run_partition(_gathered_blocks(n_blocks), "fwd", codegen="inductor", region_min_nodes=4,
+                          compile_regions=True, region_auto_min=auto_min)
+    assert on.frame.splits["fwd"].pieces[0].regions == n_blocks
+    _, off = run_partition(_gathered_blocks(n_blocks), "fwd", codegen="inductor", region_min_nodes=4,
+                           compile_regions=False, region_auto_min=1)
+    assert off.frame.splits["fwd"].pieces[0].regions == 1 and "regions" not in off.record.counts
+
+
+def test_compile_regions_auto_leaves_uncaptured_eager_and_symbolic_graphs_whole():
+    """``"auto"`` only regions captured pieces with static shapes under Inductor: with
+    CUDA graphs off nothing is split (``True`` would make each region an eager
+    piece), eager codegen gets no regions, and a graph with symbolic shapes (whose
+    regions are never reused) compiles whole."""
+    gm = _gathered_blocks(6)
+    out, ctx = run_partition(gm, "fwd", codegen="inductor", region_min_nodes=4, region_auto_min=2, cudagraphs="off")
+    assert out is gm and "fwd" not in ctx.frame.splits
+    _, forced = run_partition(_gathered_blocks(6), "fwd", codegen="inductor", region_min_nodes=4, cudagraphs="off",
+                              compile_regions=True)
+    assert [p.mode for p in forced.frame.splits["fwd"].pieces] == ["eager"] * 6
+    _, eager = run_partition(_gathered_blocks(6), "fwd", codegen="eager", region_min_nodes=4, region_auto_min=2)
+    assert eager.frame.splits["fwd"].pieces[0].regions == 1
+    _, sym = run_partition(_gathered_blocks(6, symbolic=True), "fwd", codegen="inductor", region_min_nodes=4,
+                           region_auto_min=2)
+    assert sym.frame.splits["fwd"].pieces[0].regions == 1
+    assert any("symbolic shapes" in n for n in sym.record.notes)
+
+
+def test_config_compile_regions_values():
+    for bad in ("on", 1, None):
+        with pytest.raises(ValueError, match="compile_regions"):
+            Config.from_options({"compile_regions": bad})
+    with pytest.raises(ValueError, match="region_auto_min"):
+        Config.from_options({"region_auto_min": 0})
 
 
 def test_region_assign_needs_every_node_tagged_and_two_regions():
