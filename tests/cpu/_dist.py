@@ -113,6 +113,20 @@ def _is_addr_in_use(text: str) -> bool:
     return "address already in use" in s or "eaddrinuse" in s
 
 
+def _freeze_survivors() -> None:
+    """Before each task: collect, then move every object still alive (torch, Dynamo,
+    Inductor, sympy, transformers: ~470k objects once a task has compiled) to the
+    garbage collector's permanent generation, so the task's full collections no longer
+    walk them. Only what an earlier task left alive after the pool's ``setup`` is
+    frozen; what the task itself creates is collected as usual. A tiny sharded Llama's
+    compile on 2 ranks, this machine: 0.40 s of garbage collection per rank -> 0.08 s
+    (4.6 -> 4.3 s of CPU per compile)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -173,6 +187,7 @@ def _worker(
             task_id, fn, args = pickle.loads(msg)
             if setup is not None:
                 setup()
+            _freeze_survivors()
             out = fn(rank, world_size, *args)
             buf = io.BytesIO()
             torch.save(out, buf)

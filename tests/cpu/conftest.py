@@ -94,3 +94,24 @@ def pytest_collection_modifyitems(config, items):
         return
     rank = {name: i for i, name in enumerate(_SLOW_MODULES_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: keeps the rest in order
+
+
+def pytest_collection_finish(session):
+    """After collection (torch, the test modules and what they import are loaded), the
+    objects alive now move to the garbage collector's permanent generation, once, with
+    Dynamo, Inductor and graphcomp imported first: the in-process compiles' full
+    collections then walk only what the tests create (see ``_freeze_survivors`` in
+    tests/cpu/_dist.py, which does the same before each task in the ranks)."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings():  # (torch.jit's deprecation warnings, raised while importing Inductor)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+
+        import graphcomp  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+
