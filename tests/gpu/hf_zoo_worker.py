@@ -15,7 +15,8 @@ traceback). Modes:
   opt.zero_grad()``; the CUDA-graph counters after warm-up (step ``WARM``) and at the
   end, the pieces and their reasons, every warning.
 
-``GC_ZOO_SIZE`` picks the size (``benchmarks.hf_models.SIZES``; default ``gpu-tiny``).
+``GC_ZOO_SIZE`` picks the size (``benchmarks.hf_models.SIZES``; default ``gpu-tiny``);
+``GC_ZOO_LAYERS`` overrides its layer count (deep models: ``compile_regions="auto"``).
 ``GC_ZOO_EMBEDDING`` is ``graphcomp.shard``'s ``embedding`` (default ``gather``); the
 result's ``exchanged`` lists the embeddings that exchange tokens.
 """
@@ -48,6 +49,7 @@ WARM = 4  # counters must not move after this many bf16 steps
 BATCH, SEQ = 2, 64  # per rank
 DEV = os.environ.get("GC_ZOO_DEVICE", "cuda")  # "cpu" (gloo) to check the worker itself
 EMBEDDING = os.environ.get("GC_ZOO_EMBEDDING", "gather")  # shard(embedding=...)
+LAYERS = int(os.environ["GC_ZOO_LAYERS"]) if os.environ.get("GC_ZOO_LAYERS") else None  # the size's when unset
 CG_COUNTERS = ("cudagraph_fallbacks", "recaptures", "hazard_recaptures", "captures", "replays",
                "pieces_captured", "pieces_eager", "capture_failures", "pieces_turned_eager")
 
@@ -95,7 +97,7 @@ def _global_batches(model, steps, world, seed0=0):
 
 def run_parity(family: str, rank: int, world: int) -> dict:
     size = os.environ.get("GC_ZOO_SIZE", "gpu-tiny")
-    ref = zoo.build_model(family, size, seed=0, device=DEV, dropout=0.0)
+    ref = zoo.build_model(family, size, seed=0, device=DEV, dropout=0.0, layers=LAYERS)
     batches = _global_batches(ref, STEPS, world)
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     ref_losses, ref_g1 = [], {}
@@ -111,7 +113,7 @@ def run_parity(family: str, rank: int, world: int) -> dict:
     ref_params = {n: p.detach().float().clone() for n, p in ref.named_parameters()}
     del ref, opt
 
-    m = zoo.build_model(family, size, seed=0, device=DEV, dropout=0.0)
+    m = zoo.build_model(family, size, seed=0, device=DEV, dropout=0.0, layers=LAYERS)
     graphcomp.shard(m, embedding=EMBEDDING)
     opt = torch.optim.SGD(m.parameters(), lr=LR)
     cm = torch.compile(m, backend="graphcomp")
@@ -154,7 +156,7 @@ def run_parity(family: str, rank: int, world: int) -> dict:
 
 def run_bf16(family: str, rank: int, world: int) -> dict:
     size = os.environ.get("GC_ZOO_SIZE", "gpu-tiny")
-    m = zoo.build_model(family, size, seed=0, device=DEV)  # the family's default dropout
+    m = zoo.build_model(family, size, seed=0, device=DEV, layers=LAYERS)  # the family's default dropout
     graphcomp.shard(m, param_dtype=torch.bfloat16, embedding=EMBEDDING)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     cm = torch.compile(m, backend="graphcomp")

@@ -34,7 +34,8 @@ run() {  # name timeout_s cmd...
   tail -n 25 "$OUT/$name.log"
 }
 GC_ZOO_OUT="$OUT/zoo" run zoo ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 1gpu
-GC_ZOO_OUT="$OUT/zoo2" run zoo2 ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k "2gpu and not exchange"
+GC_ZOO_OUT="$OUT/zoo2" run zoo2 ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k "2gpu and not exchange and not deep"
+GC_ZOO_OUT="$OUT/deep2" run deep2 ${DEEP2_T:-400} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k deep
 GC_ZOO_OUT="$OUT/exch2" run exch2 ${EXCH2_T:-240} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k exchange
 run cudagraphs ${CG_T:-480} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py
 run cg2 ${CG2_T:-240} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py -k "2] and not compile_regions"
@@ -62,7 +63,7 @@ GRAPHCOMP_GPU_RESULTS="$OUT" run diverge 300 python -m pytest -q -p no:cacheprov
 GRAPHCOMP_GPU_RESULTS="$OUT" run wholestep ${WS_T:-540} python -m pytest -q -p no:cacheprovider tests/gpu/test_step_capture_gpu.py
 GRAPHCOMP_GPU_RESULTS="$OUT" run tp ${TP_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k tp2
 GRAPHCOMP_GPU_RESULTS="$OUT" run tp4 ${TP4_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k 2x2
-for z in zoo zoo2 exch2; do [ -d "$OUT/$z" ] && tar czf "$OUT/$z.tgz" -C "$OUT" "$z" && rm -rf "$OUT/$z"; done
+for z in zoo zoo2 exch2 deep2; do [ -d "$OUT/$z" ] && tar czf "$OUT/$z.tgz" -C "$OUT" "$z" && rm -rf "$OUT/$z"; done
 # the device tool returns a limited number of files: one archive for the JSON and the archives
 ( cd "$OUT" && f=$(ls *.json *.tgz 2>/dev/null; true) && [ -n "$f" ] && tar czf results.tar.gz $f && rm -f $f )
 ls -la "$OUT"

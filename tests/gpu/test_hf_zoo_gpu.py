@@ -101,3 +101,37 @@ def test_embedding_exchange_bf16_steady_state_2gpu(exchange_results, family):
     d = _result(exchange_results[(family, "bf16")], family)
     assert d["exchanged"] == EXCHANGED[family], d["exchanged"]
     _check_steady_state(d, family)
+
+
+# Deep models at the defaults: 20 blocks of the "small" size (d=1024: one gather bucket
+# per block) cut into more than region_auto_min regions, so compile_regions="auto"
+# compiles them region by region inside captured pieces. Parity and the bf16 steady
+# state as above, and the regions taken and reused.
+DEEP = ("gpt2", "llama")
+
+
+@pytest.fixture(scope="module")
+def deep_results(tmp_path_factory):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    return _run_jobs("zoo2-deep", DEEP, 2, 4, tmp_path_factory, {"GC_ZOO_SIZE": "small", "GC_ZOO_LAYERS": "20"})
+
+
+def _check_regions(counters: dict) -> None:
+    assert counters.get("regions", 0) >= 2 * 16, counters  # forward and backward, each >= region_auto_min
+    assert counters.get("regions_reused", 0) > counters.get("regions_compiled", 0), counters
+    assert counters.get("regions_not_reusable", 0) == 0, counters
+
+
+@pytest.mark.parametrize("family", DEEP)
+def test_deep_model_parity_with_auto_regions_2gpu(deep_results, family):
+    d = _result(deep_results[(family, "parity")], family)
+    _check_parity(d)
+    _check_regions(d["counters"])
+
+
+@pytest.mark.parametrize("family", DEEP)
+def test_deep_model_bf16_steady_state_with_auto_regions_2gpu(deep_results, family):
+    d = _result(deep_results[(family, "bf16")], family)
+    _check_steady_state(d, family)
+    _check_regions(d["counters_end"])
