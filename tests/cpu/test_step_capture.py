@@ -463,8 +463,7 @@ def _compiled(rank: int, world: int, whole: bool) -> dict:
 
 
 def _compiled_plain_then_whole(rank: int, world: int) -> tuple[dict, dict]:
-    """Both runs in one pair of processes (starting a pair costs seconds in CI), each
-    from a fresh compile state."""
+    """Both runs in one task, each from a fresh compile state."""
     torch._dynamo.reset()
     graphcomp.reset()
     ref = _compiled(rank, world, False)
@@ -473,13 +472,12 @@ def _compiled_plain_then_whole(rank: int, world: int) -> tuple[dict, dict]:
     return ref, _compiled(rank, world, True)
 
 
-def test_compiled_sharded_step_on_2_ranks_runs_its_pieces_inline():
+def test_compiled_sharded_step_on_2_ranks_runs_its_pieces_inline(shared_ranks2):
     """Whole-step replays run every piece inline (the pieces' own graphs are not
     replayed), with the ranks' collectives in step, and compute what the uncaptured
-    step computes, bitwise."""
-    from _dist import run_distributed
-
-    res = run_distributed(_compiled_plain_then_whole, 2, timeout=480)
+    step computes, bitwise. (On the session's pair of ranks, tests/cpu/conftest.py:
+    a fresh pair cost two processes' start in CI.)"""
+    res = shared_ranks2.run(_compiled_plain_then_whole, timeout=480)
     for r in range(2):
         e, g = res[r]
         assert all(torch.equal(a, b) for a, b in zip(g["losses"], e["losses"])), (g["losses"], e["losses"])

@@ -8,9 +8,8 @@ follow its own batches (no SyncBatchNorm)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-
-from _dist import run_distributed
 
 
 def _train(rank: int, world: int, cudagraphs: str) -> dict:
@@ -38,7 +37,7 @@ def _train(rank: int, world: int, cudagraphs: str) -> dict:
 
 
 def _train_on_then_off(rank: int, world: int) -> tuple[dict, dict]:
-    """Both runs in one pair of processes (starting a pair costs seconds in CI)."""
+    """Both runs in one task (each from a fresh compile state)."""
     import graphcomp
 
     on = _train(rank, world, "auto")
@@ -47,8 +46,16 @@ def _train_on_then_off(rank: int, world: int) -> tuple[dict, dict]:
     return on, _train(rank, world, "off")
 
 
-def test_batchnorm_buffers_of_a_sharded_model_match_graphs_off():
-    res = run_distributed(_train_on_then_off, 2, timeout=300)
+@pytest.fixture(scope="module")
+def ranks2(shared_ranks2):
+    """The session's pair of ranks (tests/cpu/conftest.py; its setup resets the compile
+    state before each task): a fresh pair for this one test cost two processes'
+    start (importing torch, Dynamo and graphcomp) in CI."""
+    return shared_ranks2.view(timeout=300)
+
+
+def test_batchnorm_buffers_of_a_sharded_model_match_graphs_off(ranks2):
+    res = ranks2.run(_train_on_then_off)
     on, off = [r[0] for r in res], [r[1] for r in res]
     for r in range(2):
         c = on[r]["counters"]
