@@ -103,24 +103,29 @@ def test_embedding_exchange_bf16_steady_state_2gpu(exchange_results, family):
     _check_steady_state(d, family)
 
 
-# Deep models at the defaults (2 GPUs, or 1): 20 blocks of the "small" size (d=1024: one gather bucket
-# per block) cut into more than region_auto_min regions, so compile_regions="auto"
-# compiles them region by region inside captured pieces. Parity and the bf16 steady
-# state as above, and the regions taken and reused.
+# Deep models at the defaults (2 GPUs, or 1): 20 blocks of the "small" size (d=1024:
+# one gather bucket per block). On 2 GPUs each stage graph cuts into more than
+# region_auto_min regions at the blocks' gathers, so compile_regions="auto" compiles
+# them region by region inside captured pieces; on 1 GPU there are no per-block gathers
+# to cut at, and "auto" compiles the graphs whole. Parity and the bf16 steady state as
+# above, and the regions taken and reused (2 GPUs) or not taken (1).
 DEEP = ("gpt2", "llama")
 
 
 @pytest.fixture(scope="module")
 def deep_results(tmp_path_factory):
-    """On 2 GPUs where there are 2 (else 1)."""
+    """(GPUs used, results): on 2 GPUs where there are 2, else 1."""
     nproc = min(2, torch.cuda.device_count())
     if nproc < 1:
         pytest.skip("needs a GPU")
-    return _run_jobs(f"zoo{nproc}-deep", DEEP, nproc, 4, tmp_path_factory,
-                     {"GC_ZOO_SIZE": "small", "GC_ZOO_LAYERS": "20"})
+    return nproc, _run_jobs(f"zoo{nproc}-deep", DEEP, nproc, 4, tmp_path_factory,
+                            {"GC_ZOO_SIZE": "small", "GC_ZOO_LAYERS": "20"})
 
 
-def _check_regions(counters: dict) -> None:
+def _check_regions(counters: dict, nproc: int) -> None:
+    if nproc == 1:  # no collective waits to cut at: the graphs compile whole
+        assert counters.get("regions", 0) == 0 and counters.get("pieces_captured", 0) > 0, counters
+        return
     assert counters.get("regions", 0) >= 2 * 16, counters  # forward and backward, each >= region_auto_min
     assert counters.get("regions_reused", 0) > counters.get("regions_compiled", 0), counters
     assert counters.get("regions_not_reusable", 0) == 0, counters
@@ -128,13 +133,15 @@ def _check_regions(counters: dict) -> None:
 
 @pytest.mark.parametrize("family", DEEP)
 def test_deep_model_parity_with_auto_regions(deep_results, family):
-    d = _result(deep_results[(family, "parity")], family)
+    nproc, res = deep_results
+    d = _result(res[(family, "parity")], family)
     _check_parity(d)
-    _check_regions(d["counters"])
+    _check_regions(d["counters"], nproc)
 
 
 @pytest.mark.parametrize("family", DEEP)
 def test_deep_model_bf16_steady_state_with_auto_regions(deep_results, family):
-    d = _result(deep_results[(family, "bf16")], family)
+    nproc, res = deep_results
+    d = _result(res[(family, "bf16")], family)
     _check_steady_state(d, family)
-    _check_regions(d["counters_end"])
+    _check_regions(d["counters_end"], nproc)
