@@ -156,6 +156,31 @@ def fuses_away(node: fx.Node) -> bool:
     return all(u.op == "call_function" and (is_pointwise(u) or is_reduction(u)) for u in node.users)
 
 
+# ops Inductor runs as extern kernels (cuBLAS, cuDNN / flash attention): their outputs
+# are written to memory whatever the graph around them, so no fusion with their
+# consumers is lost at a cut after one. Ops outside aten and prims (collectives,
+# custom ops) are fallback kernels, the same.
+_EXTERN = {
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "convolution", "convolution_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward",
+    "_efficient_attention_forward", "_efficient_attention_backward",
+}
+
+
+def makes_own_buffer(node: fx.Node) -> bool:
+    """True when the storage of ``node``'s value is an extern kernel's output (a
+    matmul, attention, a collective or a custom op), not a kernel Inductor generates
+    and could fuse with the value's consumers (``partition_graph``'s cut cost)."""
+    root = storage_root(node)
+    t = root.target
+    if root.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    return t.namespace not in ("aten", "prims") or t.overloadpacket.__name__ in _EXTERN
+
+
 def backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes of a joint graph that depend on a tangent (the backward part)."""
     out: set[fx.Node] = set()

@@ -363,45 +363,21 @@ def _region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool) -
         prev = compute[cuts[-1]] if cuts else 0
         best = min((p for p in range(lo, hi + 1) if ok[p] and compute[p] - prev >= half
                     and compute[len(nodes)] - compute[p] >= half),
-                   key=lambda p: (cost[p], not makes_own_buffer(nodes[p - 1]), abs(p - a), p), default=a)
+                   key=lambda p: (cost[p], not memory.makes_own_buffer(nodes[p - 1]), abs(p - a), p), default=a)
         cuts.append(best)
     return cuts, free
-
-
-# ops Inductor runs as extern kernels (cuBLAS, cuDNN / flash attention): their outputs
-# are written to memory whatever the cut, so a cut after one loses no fusion. Ops
-# outside aten and prims (collectives, custom ops) are fallback kernels, the same.
-_EXTERN = {
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "convolution", "convolution_backward",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
-    "_flash_attention_forward", "_flash_attention_backward",
-    "_efficient_attention_forward", "_efficient_attention_backward",
-}
-
-
-def makes_own_buffer(node: fx.Node) -> bool:
-    """True when the storage of ``node``'s value is an extern kernel's output (a
-    matmul, attention, a collective or a custom op), not a kernel Inductor generates
-    and could fuse with the value's consumers."""
-    root = memory.storage_root(node)
-    t = root.target
-    if root.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-        return False
-    return t.namespace not in ("aten", "prims") or t.overloadpacket.__name__ in _EXTERN
 
 
 def crossing_bytes(nodes: Sequence[fx.Node]) -> list[int]:
     """``cost[p]``: the bytes of the values made by ``nodes[:p]`` that ``nodes[p:]``
     read, counting only values an Inductor-generated kernel makes (an extern
-    kernel's output is written to memory whatever the cut: :func:`makes_own_buffer`).
+    kernel's output is written to memory whatever the cut: ``memory.makes_own_buffer``).
     Sizes come from the nodes' fake values; a value of unknown size counts 0."""
     pos = {n: i for i, n in enumerate(nodes)}
     diff = [0] * (len(nodes) + 2)
     for n in nodes:
         last = max((pos[u] for u in n.users if u in pos), default=-1)
-        if last > pos[n] and not makes_own_buffer(n):
+        if last > pos[n] and not memory.makes_own_buffer(n):
             b = sum(max(graph_utils.nbytes(t), 0) for t in graph_utils.tensor_values(graph_utils.tensor_meta(n)))
             diff[pos[n] + 1] += b
             diff[last + 1] -= b

@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map
 
+from graphcomp import memory
 from graphcomp.config import Config
 from graphcomp.pipeline import PassContext, PassRecord
 from graphcomp.plan import Piece, SplitPlan, StageInputs
@@ -715,8 +716,8 @@ def test_crossing_bytes_counts_only_values_inductor_kernels_make():
 
     gm = trace(f, torch.randn(4, 8), torch.randn(8, 8), torch.randn(4))
     by = {n.name: n for n in _nodes(gm)}
-    assert pg.makes_own_buffer(by["mm"]) and pg.makes_own_buffer(by["wait_tensor"])
-    assert not pg.makes_own_buffer(by["relu"]) and not pg.makes_own_buffer(by["view"])
+    assert memory.makes_own_buffer(by["mm"]) and memory.makes_own_buffer(by["wait_tensor"])
+    assert not memory.makes_own_buffer(by["relu"]) and not memory.makes_own_buffer(by["view"])
     # before the first sum, the matmul's output (read by the last sum), the gathered
     # values and relu's view all cross; only the (4, 8) fp32 view counts
     nodes = _nodes(gm)
