@@ -471,6 +471,12 @@ def build_graphcomp_whole_graph(ctx: Ctx) -> Built:
     return build_graphcomp(ctx, options={"compile_regions": False})
 
 
+def build_graphcomp_remat_auto_whole_graph(ctx: Ctx) -> Built:
+    """``graphcomp-remat_auto`` with every graph compiled whole (``compile_regions=False``):
+    W3's fastest configuration as measured before regions became the default."""
+    return build_graphcomp(ctx, options={"remat": "auto", "compile_regions": False})
+
+
 def build_graphcomp_fusion_inductor(ctx: Ctx) -> Built:
     """graphcomp with ``inductor_fusion_search="inductor"``: Inductor's own fusion
     search (pairs with the next 64 readers of a buffer, loop reordering on) instead
@@ -596,6 +602,7 @@ EXTERNAL_BUILDERS = {
     "graphcomp-remat_auto-gather": build_graphcomp_remat_auto_gather,
     "graphcomp-compile_regions": build_graphcomp_compile_regions,
     "graphcomp-whole_graph": build_graphcomp_whole_graph,
+    "graphcomp-remat_auto-whole_graph": build_graphcomp_remat_auto_whole_graph,
     "graphcomp-fusion_inductor": build_graphcomp_fusion_inductor,
     "graphcomp-whole_step": build_graphcomp_whole_step,
     "graphcomp-whole_step-flat_buckets": build_graphcomp_whole_step_flat_buckets,
