@@ -209,7 +209,9 @@ class Config:
 
     ``"auto"`` (the default): on for a stage graph whose pieces are captured (CUDA
     graphs), compiled by Inductor, with static shapes, and that cuts into at least
-    ``region_auto_min`` regions (a deep model); otherwise the graph compiles whole.
+    ``region_auto_min`` regions (a deep model); otherwise the graph compiles whole. A
+    piece whose regions would mostly be compiled anyway (more than half of them: blocks
+    that differ) also compiles whole (counter ``region_pieces_compiled_whole``).
     W3 (32 blocks) on 2 H200s, 2026-11-28, one machine: cold first step 99.4 s
     against 118.8 s whole, steps 969.2 against 967.5 ms (GPU busy per step within
     0.4%). ``True``: always (also without CUDA graphs); ``False``: never.

@@ -92,6 +92,10 @@ class Counters(Mapping):
     """Compile regions (or pieces) compiled by Inductor, with compile_regions on."""
     regions_reused: int = 0
     """Compile regions that reused the compiled function of an identical region."""
+    region_pieces_compiled_whole: int = 0
+    """Captured pieces that compile_regions="auto" had divided into regions but
+    compiled whole: more than half of their regions would have been compiled (too
+    little reuse to pay for the fusions lost at the cuts)."""
     regions_not_reusable: int = 0
     """Compile regions that no other region may reuse (symbolic shapes, submodules,
     large constants); with compile_regions on, INFO logs say why each region was

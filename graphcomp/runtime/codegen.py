@@ -134,9 +134,14 @@ def compile_pieces(
         else:
             sidx = glue_static.get(name, [])
         regions = _region_assign(sub) if reuse is not None else {}
+        composed = None
         if regions:
-            compiled, strides = _compile_composed(f"{prefix}/{name}", sub, sidx, regions, compile_piece,
-                                                  report_strides, reuse, same_code)
+            composed = _compile_composed(f"{prefix}/{name}", sub, sidx, regions, compile_piece, report_strides,
+                                         reuse, same_code, auto=getattr(cfg, "compile_regions", False) == "auto")
+        if composed is not None:
+            compiled, strides = composed
+        elif regions:  # "auto" found too little reuse: the piece compiles whole
+            compiled, strides = _compile_one(compile_piece, sub, ex, sidx, report_strides)
         else:
             compiled, strides = _compile_reusing(f"{prefix}/{name}", sub, ex, sidx, compile_piece, report_strides,
                                                  reuse, same_code)
@@ -170,19 +175,26 @@ def compile_pieces(
     return run_glue(split)
 
 
+def _key_parts(sub: fx.GraphModule, ex: list[Any], sidx: list[int]) -> list[str] | str:
+    """:func:`region_key_parts`, or why the region is not reusable."""
+    try:
+        return region_key_parts(sub, ex, sidx)
+    except NotReusable as e:
+        return str(e)
+
+
 def _compile_reusing(name: str, sub: fx.GraphModule, ex: list[Any], sidx: list[int], compile_piece: Any,
                      report: bool, reuse: dict[str, tuple[Any, list[Any]]] | None,
-                     same_code: dict[str, tuple[str, list[str]]]) -> tuple[Any, list[Any]]:
+                     same_code: dict[str, tuple[str, list[str]]],
+                     parts: list[str] | str | None = None) -> tuple[Any, list[Any]]:
     """Compile ``sub`` (a piece, or a region of one), or with ``compile_regions``
-    (``reuse`` not None) take the function compiled for an identical region."""
+    (``reuse`` not None) take the function compiled for an identical region
+    (``parts``: its key parts if already computed)."""
     key = None
     if reuse is not None:
-        parts: list[str] | str
-        try:
-            parts = region_key_parts(sub, ex, sidx)
-            key = _hash_parts(parts)
-        except NotReusable as e:
-            parts = str(e)
+        if parts is None:
+            parts = _key_parts(sub, ex, sidx)
+        key = None if isinstance(parts, str) else _hash_parts(parts)
         _note_region(name, parts, key, reuse, same_code)
         if key is not None and key in reuse:
             SESSION.counters.add("regions_reused")
@@ -220,26 +232,54 @@ class _RegionCall:
         return tuple(self.fn(args))
 
 
+def _regions_to_compile(parts: list[list[str] | str], reuse: dict[str, Any]) -> int:
+    """How many of the regions with these key parts would be compiled: each region
+    not reusable, and the first of each key not compiled already (in ``reuse``)."""
+    keys = set(reuse)
+    fresh = 0
+    for p in parts:
+        if isinstance(p, str):
+            fresh += 1
+            continue
+        k = _hash_parts(p)
+        if k not in keys:
+            keys.add(k)
+            fresh += 1
+    return fresh
+
+
 def _compile_composed(name: str, sub: fx.GraphModule, sidx: list[int], assign: dict[fx.Node, int],
                       compile_piece: Any, report: bool, reuse: dict[str, tuple[Any, list[Any]]],
-                      same_code: dict[str, tuple[str, list[str]]]) -> tuple[Callable[[list[Any]], Any], list[Any]]:
+                      same_code: dict[str, tuple[str, list[str]]],
+                      auto: bool = False) -> tuple[Callable[[list[Any]], Any], list[Any]] | None:
     """A piece compiled region by region (``compile_regions`` on a captured piece):
     ``sub`` split at its regions, each region compiled (or reused), and a boxed
     callable running them in order through their own glue, which the piece's runner
-    captures as one CUDA graph. Returns it and the piece's output strides."""
+    captures as one CUDA graph. Returns it and the piece's output strides; with
+    ``auto`` (``compile_regions="auto"``) None, compiling nothing, when more than
+    half of the regions would be compiled (too little reuse to pay for the fusions
+    lost at the cuts): the caller compiles the piece whole."""
     from ..passes.partition_graph import split_graph
 
     inner = split_graph(sub, assign)
     static = _glue_static_idxs(inner, sidx)
+    regions = [(rname, r) for rname, r in inner.named_children() if isinstance(r, fx.GraphModule)]
+    singles = {rname: normalize_output(r) for rname, r in regions}
+    parts = {rname: _key_parts(r, piece_example_inputs(r), static.get(rname, [])) for rname, r in regions}
+    if auto:
+        fresh = _regions_to_compile(list(parts.values()), reuse)
+        if 2 * fresh > len(regions):
+            SESSION.counters.add("region_pieces_compiled_whole")
+            log.info("graphcomp %s: compile_regions='auto' compiles the piece whole: %d of its %d regions would "
+                     "be compiled (at most half may be for regions to pay)", name, fresh, len(regions))
+            return None
     strides: dict[str, list[Any]] = {}
-    for rname, region in list(inner.named_children()):
-        if not isinstance(region, fx.GraphModule):
-            continue
-        single = normalize_output(region)
+    for rname, region in regions:
         rex = piece_example_inputs(region)
         fn, strides[rname] = _compile_reusing(f"{name}/region_{rname.split('_')[-1]}", region, rex,
-                                              static.get(rname, []), compile_piece, report, reuse, same_code)
-        setattr(inner, rname, _PieceModule(_RegionCall(fn), single))
+                                              static.get(rname, []), compile_piece, report, reuse, same_code,
+                                              parts[rname])
+        setattr(inner, rname, _PieceModule(_RegionCall(fn), singles[rname]))
     inner.recompile()
     return run_glue(inner), (_output_strides(inner, strides) if report else [])
 

@@ -870,6 +870,64 @@ def test_compile_regions_auto_leaves_uncaptured_eager_and_symbolic_graphs_whole(
     assert any("symbolic shapes" in n for n in sym.record.notes)
 
 
+def _tagged_piece(block_layers):
+    """One captured piece of blocks (each gathers its weight, then ``block_layers[k]``
+    matmul + relu layers) divided into one compile region per block (tags set by
+    ``partition_graph`` with ``compile_regions=True``)."""
+    def f(x, *shards):
+        for s, layers in zip(shards, block_layers):
+            w = c10d.wait_tensor(c10d.all_gather_into_tensor(s, 2, "g")).view(8, 8)
+            for _ in range(layers):
+                x = torch.relu(x @ w)
+        return x
+
+    gm = cudaify(fake_trace(f, torch.randn(4, 8), *[torch.randn(32) for _ in block_layers], mode="fake"))
+    _, ctx = run_partition(gm, "fwd", codegen="inductor", compile_regions=True, region_min_nodes=4)
+    split = ctx.frame.splits["fwd"]
+    assert split.pieces[0].regions == len(block_layers)
+    return getattr(split.split, split.pieces[0].name)
+
+
+@pytest.mark.parametrize("block_layers, composed, compiles", [
+    ((3, 3, 3, 3, 3, 3), True, 3),   # first, middle (reused 3 times), last block: 3 of 6 compiled
+    ((2, 3, 4, 5, 6, 7), False, 1),  # every block different: the piece compiles whole, once
+])
+def test_auto_regions_compile_the_piece_whole_when_most_regions_would_compile(block_layers, composed, compiles):
+    """The codegen under ``compile_regions="auto"``: a piece ``partition_graph`` divided
+    into regions is compiled region by region only when at most half of its regions
+    need their own compile; otherwise it compiles whole (nothing compiled region by
+    region first), counted in ``region_pieces_compiled_whole``. ``True`` always composes."""
+    from graphcomp.runtime import codegen
+    from graphcomp.session import SESSION
+
+    piece = _tagged_piece(block_layers)
+    for mode in ("auto", True):
+        compiled = []
+
+        def compile_piece(gm, ex, sidx):
+            compiled.append(gm)
+            return lambda args: None
+
+        before = SESSION.counters["region_pieces_compiled_whole"]
+        out = codegen._compile_composed("p", piece, [], codegen._region_assign(piece), compile_piece, False, {}, {},
+                                        auto=mode == "auto")
+        whole = SESSION.counters["region_pieces_compiled_whole"] - before
+        if mode == "auto" and not composed:
+            assert out is None and compiled == [] and whole == 1
+        else:
+            assert out is not None and whole == 0
+            assert len(compiled) == (compiles if composed else len(block_layers))
+
+
+def test_regions_to_compile_counts_new_keys_and_unreusable_regions():
+    from graphcomp.runtime.codegen import _hash_parts, _regions_to_compile
+
+    a, b = ["code a"], ["code b"]
+    assert _regions_to_compile([a, a, b, a], {}) == 2
+    assert _regions_to_compile([a, a, b], {_hash_parts(a): None}) == 1  # compiled for an earlier piece
+    assert _regions_to_compile([a, "not reusable: a submodule", "not reusable: a submodule"], {}) == 3
+
+
 def test_config_compile_regions_values():
     for bad in ("on", 1, None):
         with pytest.raises(ValueError, match="compile_regions"):
