@@ -212,11 +212,11 @@ class Config:
     ``region_auto_min`` regions (a deep model); otherwise the graph compiles whole. A
     piece whose regions would mostly be compiled anyway (more than half of them: blocks
     that differ) also compiles whole (counter ``region_pieces_compiled_whole``).
-    W3 (32 blocks) on 2 H200s, 2026-11-28, one machine: cold first step 99.4 s
-    against 118.8 s whole, steps 969.2 against 967.5 ms (GPU busy per step within
-    0.4%). ``True``: always (also without CUDA graphs); ``False``: never.
-    ``graphcomp.counters``: ``regions``, ``regions_compiled``, ``regions_reused``,
-    ``regions_not_reusable``, ``region_cuts_in_flight``; with ``GRAPHCOMP_LOG=INFO``
+    W3 (32 blocks) on 2 H200s, 2026-11-28, one machine: cold first step 86.5 s
+    against 133.5 s whole, steps 977.7 ms either way. ``True``: always (also without
+    CUDA graphs); ``False``: never. ``graphcomp.counters``: ``regions``,
+    ``regions_compiled``, ``regions_reused``, ``regions_not_reusable``,
+    ``region_cuts_in_flight``, ``region_pieces_compiled_whole``; with ``GRAPHCOMP_LOG=INFO``
     ``partition_graph`` says what ``"auto"`` decided and the codegen why a region was
     compiled again."""
 
