@@ -32,8 +32,10 @@ own per-call timeout::
 
 What it does for you:
 
-* spawns ``world_size`` fresh processes (``torch.multiprocessing``, start method
-  ``spawn``: no forked torch state), each with ``torch.set_num_threads(threads)``
+* starts ``world_size`` fresh processes (``torch.multiprocessing``), forked from a
+  fork server that only imported torch, Dynamo, Inductor and graphcomp (no forked
+  compile or process-group state; ``spawn`` for a pool whose ``env`` changes what
+  those imports read, see ``rank_context``), each with ``torch.set_num_threads(threads)``
   so N ranks do not oversubscribe the machine;
 * rendezvous on a free TCP port of 127.0.0.1 (retried on a port clash), then
   ``init_process_group("gloo")`` with a collective timeout, so a rank mismatch
@@ -72,7 +74,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DistPool", "PoolView", "RankError", "free_port", "reset_compile_state", "run_distributed"]
+__all__ = ["DistPool", "PoolView", "RankError", "free_port", "rank_context", "reset_compile_state", "run_distributed",
+           "stop_fork_server"]
 
 _DEFAULT_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "2", "OMP_NUM_THREADS": "1"}
 _GRACE_S = 5.0  # after one rank fails, how long to wait for the others' reports
@@ -111,6 +114,84 @@ class RankError(RuntimeError):
 def _is_addr_in_use(text: str) -> bool:
     s = text.lower()
     return "address already in use" in s or "eaddrinuse" in s
+
+
+# What a rank imports before its first task, preloaded once in the fork server (see
+# rank_context): torch, Dynamo, Inductor's compile entry point and graphcomp, 5.5 s of
+# CPU per process on this machine, single-threaded (no thread is running when the
+# server forks).
+_PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo", "torch._inductor.compile_fx",
+            "graphcomp")
+# environment variables the ranks read when they are used, not when torch or graphcomp
+# is imported: a pool whose ``env`` sets only these (beyond the defaults) may fork
+# from the server; any other setting (an Inductor or OpenMP variable, read at import)
+# spawns its ranks
+_CALL_TIME_ENV = frozenset({"GRAPHCOMP_DEBUG", "GRAPHCOMP_AGREE_TIMEOUT", "GRAPHCOMP_DUMP_DIR"})
+_ENV_AT_IMPORT = dict(os.environ)  # (imported at collection: before any test's monkeypatch.setenv)
+
+
+def rank_context(env: Mapping[str, str] | None = None) -> Any:
+    """The multiprocessing context rank processes start from: ``forkserver`` with
+    :data:`_PRELOAD` imported once in the server, which each rank forks from (a rank
+    otherwise imports them itself: about 40 rank processes per suite at 5.5 s of CPU
+    each), or ``spawn`` when ``env`` changes a variable read at import. The server
+    starts with the environment this module saw at import plus :data:`_DEFAULT_ENV`
+    (what ``_worker`` applies before importing torch), whatever a test has set since;
+    it holds no threads and no process group, Dynamo cache or compiled graph: only
+    imported modules."""
+    import torch.multiprocessing as mp
+
+    env = dict(_DEFAULT_ENV if env is None else env)
+    if any(env.get(k) != v for k, v in _DEFAULT_ENV.items()) or set(env) - set(_DEFAULT_ENV) - _CALL_TIME_ENV:
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    want = {**_ENV_AT_IMPORT, **_DEFAULT_ENV}
+    saved = {k: os.environ.get(k) for k in set(want) | set(os.environ)}
+    try:
+        for k in saved:
+            if k not in want:
+                del os.environ[k]
+            elif os.environ.get(k) != want[k]:
+                os.environ[k] = want[k]
+        forkserver.set_forkserver_preload(list(_PRELOAD))
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            elif os.environ.get(k) != v:
+                os.environ[k] = v
+    return mp.get_context("forkserver")
+
+
+def stop_fork_server(timeout: float = 30.0) -> None:
+    """Close this process's end of the fork server's "alive" pipe and wait for the
+    server to exit (tests/cpu/conftest.py calls it when pytest ends). The server
+    reaps the ranks forked from it; waiting for it here hands their CPU time to this
+    process's children (what ``time`` or ``/usr/bin/time -v`` on the suite counts),
+    where an unwaited server would leave the ranks' CPU out of the count. Gives up
+    after ``timeout`` seconds (a rank still alive keeps the server up)."""
+    from multiprocessing import forkserver
+
+    fs = forkserver._forkserver
+    pid = fs._forkserver_pid
+    if pid is None:
+        return
+    try:
+        os.close(fs._forkserver_alive_fd)
+    except OSError:
+        pass
+    fs._forkserver_pid = fs._forkserver_alive_fd = fs._forkserver_address = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        time.sleep(0.05)
 
 
 def _freeze_survivors() -> None:
@@ -246,11 +327,9 @@ class DistPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def _start(self) -> None:
-        import torch.multiprocessing as mp
-
         last = ""
         for _attempt in range(self.retries + 1):
-            ctx = mp.get_context("spawn")
+            ctx = rank_context(self.env)
             self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
             self._results = ctx.Queue()
             port = free_port()

@@ -115,3 +115,16 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
 
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """Wait for the ranks' fork server (tests/cpu/_dist.py ``rank_context``; the
+    session's pools are closed by now), so that the CPU time of the ranks forked from
+    it counts as this process's children's. First among the sessionfinish hooks: a
+    pytest-xdist worker reports that it finished from its own, after which the
+    controller may terminate it."""
+    import sys
+
+    if "_dist" in sys.modules:
+        sys.modules["_dist"].stop_fork_server()
+

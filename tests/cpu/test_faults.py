@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import DistPool, free_port
+from _dist import DistPool, free_port, rank_context
 
 PG_TIMEOUT_S = 15.0
 HARD_S = 240.0
@@ -120,9 +120,10 @@ def _rank_main(rank: int, world: int, port: int, where: str, exits: bool, result
 
 
 def _run(where: str, exits: bool) -> dict[int, tuple]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    # fresh processes (a failing rank exits), forked from _dist's fork server, which has
+    # torch and graphcomp imported (its TORCHINDUCTOR_COMPILE_THREADS is 2: eager
+    # codegen here, no Inductor compile)
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, where, exits, results)) for r in range(2)]
