@@ -118,10 +118,11 @@ def _is_addr_in_use(text: str) -> bool:
 
 # What a rank imports before its first task, preloaded once in the fork server (see
 # rank_context): torch, Dynamo, Inductor's compile entry point and graphcomp, 5.5 s of
-# CPU per process on this machine, single-threaded (no thread is running when the
-# server forks).
+# CPU per process on this machine, and transformers (2.5 s more; the Hugging Face
+# tasks of the shared pools import it; skipped where it is not installed), all
+# single-threaded (no thread is running when the server forks).
 _PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo", "torch._inductor.compile_fx",
-            "graphcomp")
+            "graphcomp", "transformers")
 # environment variables the ranks read when they are used, not when torch or graphcomp
 # is imported: a pool whose ``env`` sets only these (beyond the defaults) may fork
 # from the server; any other setting (an Inductor or OpenMP variable, read at import)
