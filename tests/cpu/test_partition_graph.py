@@ -586,17 +586,20 @@ def test_cpu_scalar_graph_input_still_cuts():
 
 
 # ------------------------------------------------------------------ compile regions
-def _blocks_graph(n_blocks=3, inflight_across=False, mode="fake"):
+def _blocks_graph(n_blocks=3, inflight_across=False, mode="fake", layers=None):
     """A forward of ``n_blocks`` identical blocks, each gathering its weight (issue,
     wait, 3 matmul+relu); with ``inflight_across`` block k's gather is issued before
     block k-1's compute (prefetch), so no point between blocks is free of it.
-    ``mode``: make_fx's tracing mode ("symbolic": symbolic shapes)."""
+    ``mode``: make_fx's tracing mode ("symbolic": symbolic shapes). ``layers``: the
+    matmul+relu count of each block instead (blocks that differ; ``n_blocks`` is then
+    its length)."""
+    layers = [3] * n_blocks if layers is None else list(layers)
 
     def f(x, *shards):
         if not inflight_across:
-            for s in shards:
+            for s, n in zip(shards, layers):
                 w = c10d.wait_tensor(c10d.all_gather_into_tensor(s, 2, "g")).view(8, 8)
-                for _ in range(3):
+                for _ in range(n):
                     x = torch.relu(x @ w)
             return x
         pending = c10d.all_gather_into_tensor(shards[0], 2, "g")
@@ -604,11 +607,11 @@ def _blocks_graph(n_blocks=3, inflight_across=False, mode="fake"):
             w = c10d.wait_tensor(pending).view(8, 8)
             if k + 1 < len(shards):
                 pending = c10d.all_gather_into_tensor(shards[k + 1], 2, "g")
-            for _ in range(3):
+            for _ in range(layers[k]):
                 x = torch.relu(x @ w)
         return x
 
-    return fake_trace(f, torch.randn(4, 8), *[torch.randn(32) for _ in range(n_blocks)], mode=mode)
+    return fake_trace(f, torch.randn(4, 8), *[torch.randn(32) for _ in layers], mode=mode)
 
 
 def _nodes(gm):
@@ -871,17 +874,10 @@ def test_compile_regions_auto_leaves_uncaptured_eager_and_symbolic_graphs_whole(
 
 
 def _tagged_piece(block_layers):
-    """One captured piece of blocks (each gathers its weight, then ``block_layers[k]``
-    matmul + relu layers) divided into one compile region per block (tags set by
+    """One captured piece of blocks with ``block_layers[k]`` matmul + relu layers
+    (``_blocks_graph``) divided into one compile region per block (tags set by
     ``partition_graph`` with ``compile_regions=True``)."""
-    def f(x, *shards):
-        for s, layers in zip(shards, block_layers):
-            w = c10d.wait_tensor(c10d.all_gather_into_tensor(s, 2, "g")).view(8, 8)
-            for _ in range(layers):
-                x = torch.relu(x @ w)
-        return x
-
-    gm = cudaify(fake_trace(f, torch.randn(4, 8), *[torch.randn(32) for _ in block_layers], mode="fake"))
+    gm = cudaify(_blocks_graph(layers=block_layers))
     _, ctx = run_partition(gm, "fwd", codegen="inductor", compile_regions=True, region_min_nodes=4)
     split = ctx.frame.splits["fwd"]
     assert split.pieces[0].regions == len(block_layers)
