@@ -265,7 +265,8 @@ def _compile_composed(name: str, sub: fx.GraphModule, sidx: list[int], assign: d
     static = _glue_static_idxs(inner, sidx)
     regions = [(rname, r) for rname, r in inner.named_children() if isinstance(r, fx.GraphModule)]
     singles = {rname: normalize_output(r) for rname, r in regions}
-    parts = {rname: _key_parts(r, piece_example_inputs(r), static.get(rname, [])) for rname, r in regions}
+    examples = {rname: piece_example_inputs(r) for rname, r in regions}
+    parts = {rname: _key_parts(r, examples[rname], static.get(rname, [])) for rname, r in regions}
     if auto:
         fresh = _regions_to_compile(list(parts.values()), reuse)
         if 2 * fresh > len(regions):
@@ -275,8 +276,7 @@ def _compile_composed(name: str, sub: fx.GraphModule, sidx: list[int], assign: d
             return None
     strides: dict[str, list[Any]] = {}
     for rname, region in regions:
-        rex = piece_example_inputs(region)
-        fn, strides[rname] = _compile_reusing(f"{name}/region_{rname.split('_')[-1]}", region, rex,
+        fn, strides[rname] = _compile_reusing(f"{name}/region_{rname.split('_')[-1]}", region, examples[rname],
                                               static.get(rname, []), compile_piece, report, reuse, same_code,
                                               parts[rname])
         setattr(inner, rname, _PieceModule(_RegionCall(fn), singles[rname]))
