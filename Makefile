@@ -19,7 +19,7 @@ install:
 	@$(PY) -c "import torch, graphcomp; print(f'[install] torch {torch.__version__}, graphcomp {graphcomp.__version__}')"
 
 demo: install
-	$(PY) -m graphcomp.cli demo
+	$(PY) -m graphcomp.tools.cli demo
 
 # 2 pytest-xdist workers, each taking whole files (--dist loadfile: module- and
 # session-scoped fixtures stay within one worker). In one process the suite kept 1.34

@@ -39,18 +39,18 @@ def _import_graphcomp():
 
 
 def graphcomp_passes() -> tuple[dict[str, bool] | None, str | None]:
-    """``({pass_name: enabled_by_default}, None)`` from ``graphcomp.pipeline``, or
+    """``({pass_name: enabled_by_default}, None)`` from ``graphcomp.compiler.pipeline``, or
     ``(None, reason)`` when that API is not there yet."""
     try:
-        from graphcomp.pipeline import registered_passes
+        from graphcomp.compiler.pipeline import registered_passes
     except Exception as e:  # noqa: BLE001
-        return None, f"graphcomp.pipeline.registered_passes unavailable: {type(e).__name__}: {e}"
+        return None, f"graphcomp.compiler.pipeline.registered_passes unavailable: {type(e).__name__}: {e}"
     try:
         reg = registered_passes()
     except Exception as e:  # noqa: BLE001
-        return None, f"graphcomp.pipeline.registered_passes() raised {type(e).__name__}: {e}"
+        return None, f"graphcomp.compiler.pipeline.registered_passes() raised {type(e).__name__}: {e}"
     try:
-        from graphcomp.pipeline import get_pass
+        from graphcomp.compiler.pipeline import get_pass
     except Exception:  # noqa: BLE001
         get_pass = None
     items = reg.items() if isinstance(reg, dict) else [(getattr(x, "name", x), x) for x in reg]
@@ -92,11 +92,11 @@ def _resolve_backend(graphcomp) -> tuple[object, str]:
     except Exception as e:  # noqa: BLE001
         log.warning("torch._dynamo.list_backends failed: %s", e)
     try:
-        from graphcomp.backend import graphcomp_backend
+        from graphcomp.compiler.backend import graphcomp_backend
     except Exception as e:  # noqa: BLE001
         raise NotRun(f'backend "graphcomp" not registered (is graphcomp pip-installed?) and '
-                     f"graphcomp.backend.graphcomp_backend not importable: {type(e).__name__}: {e}") from None
-    return graphcomp_backend, "backend=graphcomp.backend.graphcomp_backend (entry point not installed: pip install -e .)"
+                     f"graphcomp.compiler.backend.graphcomp_backend not importable: {type(e).__name__}: {e}") from None
+    return graphcomp_backend, "backend=graphcomp.compiler.backend.graphcomp_backend (entry point not installed: pip install -e .)"
 
 
 CUDAGRAPH_COUNTERS = ("cudagraph_fallbacks", "recaptures", "hazard_recaptures", "captures", "pieces_captured",
@@ -297,7 +297,7 @@ def memory_estimate(opt: torch.optim.Optimizer, codegen: str = "inductor") -> di
     reuse (``peak_bytes_inductor``); ``estimated_step_peak_bytes_unfused`` is the same
     sum with every FX value materialized (what ``codegen="eager"`` allocates)."""
     import graphcomp
-    from graphcomp import memory
+    from graphcomp.analysis import memory
 
     peaks: dict[str, int] = {}
     unfused: dict[str, int] = {}

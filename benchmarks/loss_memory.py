@@ -1,5 +1,5 @@
 """Estimated memory saving of pass ``chunk_lm_loss``, from graphcomp's memory model
-(``graphcomp/memory.py``), without a GPU.
+(``graphcomp/analysis/memory.py``), without a GPU.
 
     python -m benchmarks.loss_memory W2 [--batch 4] [--seq 2048] [--chunk 1024,2048] [--layers N]
                                         [--kernels inductor|eager] [--return-logits]
@@ -132,7 +132,8 @@ def trace(preset: str, batch: int, seq: int, chunk: int | None, layers: int | No
           kernels: str = "inductor", checkpoint: bool = False, return_logits: bool = False) -> dict[str, Any]:
     """Stage memory estimates of one step; ``chunk=None`` runs with the pass off."""
     import graphcomp
-    from graphcomp import _compat, loss_ops
+    from graphcomp import _compat
+    from graphcomp.ops import loss as loss_ops
     import graphcomp
 
     torch._dynamo.reset()

@@ -10,53 +10,18 @@
 
 from __future__ import annotations
 
-import importlib.util as _util
 import logging as _logging
-import pathlib as _pathlib
-import sys as _sys
 
-
-class _CheckoutPassesFinder:
-    """``graphcomp.passes`` is the top-level ``passes/`` directory of the checkout this
-    ``graphcomp`` package was imported from (an installed wheel ships it as
-    ``graphcomp/passes``, and nothing here applies). Without this, a source checkout on
-    ``sys.path`` beside another checkout's editable install would import *that*
-    checkout's passes, silently; and a checkout that is not installed would not find
-    ``graphcomp.passes`` at all."""
-
-    def __init__(self, root: _pathlib.Path) -> None:
-        self.root = root
-
-    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 - importlib protocol
-        if fullname != "graphcomp.passes":
-            return None
-        return _util.spec_from_file_location(
-            fullname, self.root / "__init__.py", submodule_search_locations=[str(self.root)]
-        )
-
-
-def _bind_checkout_passes() -> None:
-    here = _pathlib.Path(__file__).resolve().parent
-    src = here.parent / "passes"
-    if (here / "passes").is_dir() or not (src / "__init__.py").is_file():
-        return  # an installed package (graphcomp/passes), or no checkout layout
-    if "shipped as ``graphcomp.passes``" not in (src / "__init__.py").read_text():
-        return  # some other top-level "passes" package beside us: not ours
-    if not any(isinstance(f, _CheckoutPassesFinder) for f in _sys.meta_path):
-        _sys.meta_path.insert(0, _CheckoutPassesFinder(src))
-
-
-_bind_checkout_passes()
-
-from . import _compat
-from . import env as _env
-from . import optim
-from .config import Config
-from .sharding import shard
-from .guard_filter import guard_filter
-from .step_capture import capture_step
-from . import runtime as _runtime  # noqa: F401 (attaches the CUDA-graph runtime to the session)
-from .session import SESSION as _SESSION
+from graphcomp import _compat
+from graphcomp import env as _env
+from graphcomp import optim
+from graphcomp.config import Config
+from graphcomp.sharding.shard import full_state_dict, shard
+from graphcomp.compiler.guard_filter import guard_filter
+from graphcomp.runtime.whole_step import capture_step
+from graphcomp import runtime as _runtime  # noqa: F401 (attaches the CUDA-graph runtime to the session)
+from graphcomp.session import SESSION as _SESSION
+from graphcomp.compiler import backend as _backend_module
 
 __version__ = "0.1.0"
 
@@ -79,12 +44,6 @@ def frame_summaries() -> list[dict]:
     return _SESSION.frames.to_json()
 
 
-# the submodule graphcomp.backend is loaded first, so that the name `backend` below
-# (the callable) is what the package exports: a later `import graphcomp.backend` finds
-# the module in sys.modules and does not rebind the package attribute
-from . import backend as _backend_module  # noqa: E402
-
-
 def backend(gm, example_inputs, **kwargs):  # noqa: ANN001 - Dynamo's backend signature
     """The Dynamo backend callable, the same as ``backend="graphcomp"``:
     ``torch.compile(model, backend=graphcomp.backend)`` (options through
@@ -97,5 +56,5 @@ if _env.log_level():
     _log.setLevel(_env.log_level())
 _compat.graph_logger()  # registers the "graphcomp_graphs" artifact of torch._logging.set_logs
 
-__all__ = ["Config", "backend", "capture_step", "counters", "frame_summaries", "guard_filter", "optim", "reset", "shard",
+__all__ = ["Config", "backend", "capture_step", "counters", "frame_summaries", "full_state_dict", "guard_filter", "optim", "reset", "shard",
            "__version__"]

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import env
+from graphcomp import env
 
 Codegen = Literal["inductor", "eager"]
 CudaGraphsMode = Literal["off", "auto", "require"]
@@ -35,7 +35,7 @@ AUTO_BUDGET_FRACTION = 0.9
 class Config:
     passes: dict[str, bool] = field(default_factory=dict)
     """Per-pass enable flags, ``{pass_name: bool}``, over the registered passes
-    (``graphcomp.pipeline.registered_passes()``). A pass not named keeps its default
+    (``graphcomp.compiler.pipeline.registered_passes()``). A pass not named keeps its default
     (see the pass table in the README). Unknown pass names are a ``ValueError``."""
 
     codegen: Codegen = "inductor"
@@ -104,7 +104,7 @@ class Config:
     graph is a ValueError at compile time). ``"auto"`` (default): 0.9
     (``config.AUTO_BUDGET_FRACTION``) of the device's memory for CUDA graphs, no
     budget for any other device (CPU memory is the host's). The budget bounds the
-    static estimate of one graph's peak (``graphcomp/memory.py``): memory held
+    static estimate of one graph's peak (``graphcomp/analysis/memory.py``): memory held
     outside the compiled graphs is not in it. Under ``"auto"``, ``remat`` and
     ``reshard_after_forward="auto"`` leave room for the optimizer state (2x the
     parameter shards) and the gathers other compiled functions keep; an explicit
@@ -259,7 +259,7 @@ class Config:
     it from then on and the piece about to replay is captured again around the live
     tensor (``graphcomp.counters['hazard_recaptures']``); it is never overwritten.
     Forward outputs up to 1 MiB (the loss, metrics) are always copied: they are
-    often kept for logging (``graphcomp.runtime.codegen.FORWARD_COPY_BELOW``)."""
+    often kept for logging (``graphcomp.compiler.codegen.FORWARD_COPY_BELOW``)."""
 
     loss_chunk_tokens: int = 1024
     """Pass ``chunk_lm_loss``: rows (tokens) per chunk of the chunked language-model
@@ -367,7 +367,7 @@ class Config:
         for op in self.split_ops:
             if not op.strip() or any(c.isspace() for c in op):
                 raise ValueError(f"Config.split_ops: invalid op name {op!r}; use e.g. 'aten.nonzero' or 'aten::nonzero.default'")
-        from .pipeline import registered_passes
+        from graphcomp.compiler.pipeline import registered_passes
 
         valid = registered_passes()
         unknown = sorted(set(self.passes) - set(valid))
@@ -385,7 +385,7 @@ class Config:
                 )
 
     def pass_enabled(self, name: str) -> bool:
-        from .pipeline import get_pass
+        from graphcomp.compiler.pipeline import get_pass
 
         return self.passes.get(name, get_pass(name).default)
 

@@ -6,9 +6,9 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
 * ``counters`` -- :class:`graphcomp.counters.Counters` (``graphcomp.counters``);
 * ``frames`` -- a bounded log of :class:`FrameRecord` (one per compiled frame), what
   ``summary.json`` and ``graphcomp.frame_summaries()`` render;
-* ``scopes`` -- open eager gather scopes (``graphcomp.gather_scope``);
+* ``scopes`` -- open eager gather scopes (``graphcomp.sharding.gather_scope``);
 * ``pass_registry`` -- the passes the pipeline runs (built once from
-  ``graphcomp.pipeline.PASS_ORDER``; kept by ``reset()``);
+  ``graphcomp.compiler.pipeline.PASS_ORDER``; kept by ``reset()``);
 * ``shard_groups`` -- the groups ``graphcomp.shard`` shards over (kept by ``reset()``);
 * ``exchange_groups`` -- the groups of ``shard(embedding="auto" | "exchange")``'s token
   exchange (kept by ``reset()``; not parameter collectives: the passes leave them alone);
@@ -19,7 +19,7 @@ the CUDA-graph runtime, all reset together by ``graphcomp.reset()``.
   function (``embedding_exchange``: agreed at its first compile, reused by its recompiles);
 * ``defer_plans`` -- how many reduce-scatters ``defer_weight_grads`` moves in each
   function's backward (agreed at its first compile, reused by its recompiles);
-* ``agree_seq`` -- rank-agreement numbering (``graphcomp.agreement``; kept by ``reset()``);
+* ``agree_seq`` -- rank-agreement numbering (``graphcomp.compiler.agreement``; kept by ``reset()``);
 * ``runtime`` -- the CUDA-graph runtime (``graphcomp.runtime.manager.Runtime``: pool,
   capture stream, runners, ledger). The runtime package creates it and attaches it here
   when it is imported, so this module imports nothing of graphcomp.
@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .counters import Counters
+from graphcomp.counters import Counters
 
 FRAME_LOG_LIMIT = 1000
 """Frame summaries kept per process; older ones are dropped (and counted)."""
@@ -42,7 +42,7 @@ FRAME_LOG_LIMIT = 1000
 @dataclass
 class FrameRecord:
     """The summary of one compiled frame. ``info`` and ``stages`` hold what the
-    backend recorded at compile time; ``plan`` (a :class:`graphcomp.plan.FramePlan`)
+    backend recorded at compile time; ``plan`` (a :class:`graphcomp.compiler.plan.FramePlan`)
     renders each stage's pieces when the record is written, so runner statistics
     gathered at run time show up."""
 
@@ -94,10 +94,10 @@ class Session:
     def __init__(self) -> None:
         self.counters = Counters()
         self.frames = FrameLog()
-        # open eager gather scopes: id(module) -> {name: gathered tensor} (graphcomp.gather_scope)
+        # open eager gather scopes: id(module) -> {name: gathered tensor} (graphcomp.sharding.gather_scope)
         self.scopes: dict[int, dict[str, Any]] = {}
         self.runtime: Any = None  # attached by graphcomp.runtime.manager
-        # the pass registry (graphcomp.pipeline builds it on first use; reset() keeps it)
+        # the pass registry (graphcomp.compiler.pipeline builds it on first use; reset() keeps it)
         self.pass_registry: Any = None
         # process-group names graphcomp.shard() shards over -> True when sharded by
         # shard(mesh=...) beside tensor parallelism. While such a sharding exists, a
@@ -109,7 +109,7 @@ class Session:
         # collectives are activations', not parameters': graph_utils.is_foreign_collective)
         self.exchange_groups: set[str] = set()
         self._frame_ids = itertools.count()
-        # rank agreement (graphcomp.agreement): "epoch" (Dynamo restarts of frame ids)
+        # rank agreement (graphcomp.compiler.agreement): "epoch" (Dynamo restarts of frame ids)
         # and "eager:<group>" (eager checks made on a group). Kept by reset(): the store
         # keys they number outlive a reset, so numbering must not restart (a stale key
         # of an earlier check would be read as this one's)

@@ -90,7 +90,7 @@ import math
 
 import torch
 
-from .captured_step import SUPPORTED, CapturedStep, fused_adam
+from graphcomp.optim.captured_step import SUPPORTED, CapturedStep, fused_adam
 
 __all__ = ["SUPPORTED", "CapturedStep", "capture"]
 
@@ -142,7 +142,7 @@ def capture(
     the step in every mode, as after ``clip_grad_norm_``.
 
     ``prefetch``: issue the next forward's input-embedding table gather during this
-    step (cross-step prefetch, ``graphcomp/prefetch.py``): the step updates the
+    step (cross-step prefetch, ``graphcomp/sharding/prefetch.py``): the step updates the
     shards whose gathers the compiled forwards take from it (the
     ``prefetch_across_steps`` pass rewrites them while such a step exists) first,
     then the others while those gathers run; the forward then finds its table

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..prefetch import PREFETCH
-from ..runtime.manager import RUNTIME
-from ..session import SESSION
-from . import clip_fold
+from graphcomp import _compat
+from graphcomp.sharding.prefetch import PREFETCH
+from graphcomp.runtime.manager import RUNTIME
+from graphcomp.session import SESSION
+from graphcomp.optim import clip_fold
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class CapturedStep:
 
     def _phases(self, params: list[torch.Tensor], total: torch.Tensor) -> tuple[list[Any], frozenset[int]]:
         """The update as callables run in order. With shards whose gathers the next
-        forward takes from :data:`graphcomp.prefetch.PREFETCH` among ``params``: clip,
+        forward takes from :data:`graphcomp.sharding.prefetch.PREFETCH` among ``params``: clip,
         step those shards; then (after the mark) step the rest. Otherwise one phase.
         Each parameter's update is the one a single ``opt.step()`` makes (Adam, AdamW
         and SGD update each parameter on its own). Also returns the early shards' ids."""

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..runtime.manager import RUNTIME
+from graphcomp import _compat
+from graphcomp.runtime.manager import RUNTIME
 
 # elements per program and warps: 2 H200s, 2^28 elements, against clip + fused AdamW at
 # 2.77 ms (e4c6eb0): 1024x4 2.36 ms, 2048x8 2.56, 2048x4 2.90, 4096x8 3.26, 8192x8 4.88

@@ -16,8 +16,8 @@ and layout-exact static buffers), ``codegen`` (compile a split graph's pieces an
 run its glue).
 """
 
-from .manager import RUNTIME, check_nccl_env, is_capturing, nccl_env_problem, reset, teardown
-from .runner import CudaGraphRunner, EagerPiece, StaticAddressError
+from graphcomp.runtime.manager import RUNTIME, check_nccl_env, is_capturing, nccl_env_problem, reset, teardown
+from graphcomp.runtime.runner import CudaGraphRunner, EagerPiece, StaticAddressError
 
 __all__ = [
     "RUNTIME", "CudaGraphRunner", "EagerPiece", "StaticAddressError", "check_nccl_env",

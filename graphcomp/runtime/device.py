@@ -34,7 +34,7 @@ class CudaDevice:
     def new_event(self, external: bool = False) -> Any:
         """A CUDA event; ``external``: recorded inside a capture it becomes an event
         record node that work outside the graph can wait for (``cudaEventRecordExternal``)."""
-        from .. import _compat
+        from graphcomp import _compat
 
         return _compat.cuda_event(external=external)
 
@@ -108,14 +108,14 @@ class CudaDevice:
         torch.cuda.empty_cache()
 
     def pin_pool(self, pool: Any) -> Any:
-        from .. import _compat
+        from graphcomp import _compat
 
         dev = torch.cuda.current_device()
         _compat.pin_pool(dev, pool)
         return dev
 
     def unpin_pool(self, pool: Any, token: Any) -> None:
-        from .. import _compat
+        from graphcomp import _compat
 
         _compat.unpin_pool(token, pool)
 
@@ -131,14 +131,14 @@ class CudaDevice:
 
     def supports_if_nodes(self) -> bool:
         """Whether a capture can contain a conditional (IF) node (CUDA >= 12.4)."""
-        from .. import _compat
+        from graphcomp import _compat
 
         return _compat.cuda_graph_if_supported()
 
     def run_if(self, g: Any, pred: Any, fn: Any) -> None:
         """Inside the capture of ``g``: capture ``fn()`` into an IF node that runs
         at replay only while ``pred`` (a 0-dim bool device tensor) is true."""
-        from .. import _compat
+        from graphcomp import _compat
 
         with _compat.cuda_graph_if(g, pred):
             fn()

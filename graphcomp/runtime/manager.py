@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from ..session import SESSION
-from .device import CudaDevice
-from .pool import PoolLedger
+from graphcomp.session import SESSION
+from graphcomp.runtime.device import CudaDevice
+from graphcomp.runtime.pool import PoolLedger
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Runtime:
             self.pool = self.device.pool_handle()
             self.stream = self.device.new_stream()
             check_nccl_env()
-            from .. import _compat
+            from graphcomp import _compat
 
             _compat.wrap_destroy_process_group()
             _register_atexit()
@@ -241,7 +241,7 @@ def _teardown_before_destroy(name: str | None = None) -> None:
 
 
 def _register_destroy_hook() -> None:
-    from .. import _compat
+    from graphcomp import _compat
 
     _compat.before_destroy_process_group(_teardown_before_destroy)
 
@@ -277,7 +277,7 @@ def _write_runtime_record(owners: list[dict[str, Any]]) -> None:
     target = SESSION.dump_target
     if target is None:
         return
-    from .. import dump
+    from graphcomp.compiler import dump
 
     try:
         rec = {"owners": owners, "counters": dict(SESSION.counters)}

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..session import SESSION
+from graphcomp import _compat
+from graphcomp.session import SESSION
 
 
 class PoolLedger:

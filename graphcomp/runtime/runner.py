@@ -67,13 +67,13 @@ from typing import Any
 
 import torch
 
-from ..errors import CaptureFailed as _CaptureFailed
-from ..errors import CudaGraphsRequired, StaticAddressError, failing_source as _failing_source
-from ..plan import PieceStats
-from ..session import SESSION
-from .manager import RUNTIME
-from .pool import Capture, _storage_id, _storage_ptr, describe_holders
-from .static import memory_of, static_buffer
+from graphcomp.errors import CaptureFailed as _CaptureFailed
+from graphcomp.errors import CudaGraphsRequired, StaticAddressError, failing_source as _failing_source
+from graphcomp.compiler.plan import PieceStats
+from graphcomp.session import SESSION
+from graphcomp.runtime.manager import RUNTIME
+from graphcomp.runtime.pool import Capture, _storage_id, _storage_ptr, describe_holders
+from graphcomp.runtime.static import memory_of, static_buffer
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class CudaGraphRunner:
         a = None  # (the loop variable must not keep the last input alive through the capture)
         cap.inputs = static_in
         cap.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in static_in]
-        from .. import _compat
+        from graphcomp import _compat
 
         dev = RUNTIME.device
         stream = RUNTIME.stream

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import graph_utils
+from graphcomp.analysis import graph_utils
 
 
 def _is_tensor_node(n: Any) -> bool:

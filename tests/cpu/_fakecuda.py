@@ -146,7 +146,7 @@ class FakeDevice(manager.CudaDevice):
             raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (stand-in: a capture into a pool "
                                "whose graphs were all reset, not pinned)")
         used.append(g)
-        from graphcomp.step_capture import StepCapture
+        from graphcomp.runtime.whole_step import StepCapture
 
         if isinstance(getattr(fn, "__self__", None), StepCapture):
             # a whole training step (impure: it updates parameters): its capture call's

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphcomp.config import Config
-from graphcomp.pipeline import PassContext, get_pass
-from graphcomp.plan import FramePlan
+from graphcomp.compiler.pipeline import PassContext, get_pass
+from graphcomp.compiler.plan import FramePlan
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -46,7 +46,7 @@ def run_pass(name, gm, stage="joint", code_id=None, **options):
     # hand-built graphs are CPU graphs: test the reordering passes on them anyway
     ctx = PassContext(config=cfg, frame_id=0, stage=stage, frame=FramePlan(prefetch_cpu_graphs=True, zero_copy_cpu_graphs=True,
                                                                                 code_id=code_id))
-    from graphcomp.pipeline import PassRecord
+    from graphcomp.compiler.pipeline import PassRecord
 
     ctx.record = PassRecord(name=name, stage=stage, enabled=True)
     gm = get_pass(name).fn(gm, ctx).gm
@@ -56,7 +56,7 @@ def run_pass(name, gm, stage="joint", code_id=None, **options):
 
 
 def counts(gm):
-    from graphcomp.graph_utils import op_counts
+    from graphcomp.analysis.graph_utils import op_counts
 
     return op_counts(gm)
 

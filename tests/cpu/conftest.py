@@ -27,7 +27,7 @@ def _fresh_state():
     group reusing a name would be taken for a sharded one (test_tp_passes after
     test_step_capture)."""
     import graphcomp
-    from graphcomp import mesh_sharding
+    from graphcomp.sharding import mesh as mesh_sharding
 
     torch._dynamo.reset()
     graphcomp.reset()

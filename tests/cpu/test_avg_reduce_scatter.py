@@ -96,7 +96,7 @@ def test_averaged_reduce_scatters_bucket_together(backends):
 
 def test_pass_order_and_switch():
     from graphcomp.config import Config
-    from graphcomp.pipeline import PASS_ORDER
+    from graphcomp.compiler.pipeline import PASS_ORDER
 
     assert PASS_ORDER.index("fuse_grad_upcast") < PASS_ORDER.index("avg_reduce_scatter") < \
         PASS_ORDER.index("bucket_collectives")

@@ -59,7 +59,7 @@ def _model():
 def test_inductor_codegen_with_passes_off_matches_backend_inductor():
     """Every pass off: graphcomp(codegen=inductor) is the inductor pipeline, so results
     are bitwise equal over 5 AdamW steps (the issue allows 1e-6 relative; we check exact)."""
-    from graphcomp.pipeline import registered_passes
+    from graphcomp.compiler.pipeline import registered_passes
 
     off = {name: False for name in registered_passes()}
     m1, m2 = _model(), _model()
@@ -162,7 +162,7 @@ def test_cache_uuid_separates_configs_and_donation():
     """Inductor's FX-graph cache key has our joint hook's uuid but not AOTAutograd's
     donated-buffer indices: the uuid must differ when graphcomp turns donation off
     (CUDA-graph capture), or a backward compiled with donation would be reused."""
-    from graphcomp.backend import cache_uuid
+    from graphcomp.compiler.backend import cache_uuid
 
     a = graphcomp.Config()
     b = graphcomp.Config.from_options({"bucket_bytes": 1 << 20})
@@ -226,8 +226,8 @@ def test_backend_callable_is_the_package_attribute_on_every_call():
     """`graphcomp.backend` is the backend callable, also after the submodule of the
     same name was imported (it used to be rebound to the module: 'module' object is
     not callable on the second call)."""
-    import graphcomp.backend  # noqa: F401 - the import that used to rebind the name
-    from graphcomp.backend import graphcomp_backend
+    import graphcomp.compiler.backend  # noqa: F401 - the import that used to rebind the name
+    from graphcomp.compiler.backend import graphcomp_backend
 
     assert callable(graphcomp.backend) and graphcomp_backend is not graphcomp.backend
     for k in range(2):
@@ -257,7 +257,7 @@ def test_public_functions_name_the_bad_argument():
 
     import graphcomp
     from graphcomp.config import Config
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
 
     gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"graphcomp.backend: gm must be a torch.fx.GraphModule.*got Linear"):

@@ -146,7 +146,7 @@ def test_decisions_depend_only_on_graph_and_config():
 def test_bucket_layout_matches_unbucketed_gathers_for_world_2():
     """pack on each rank, 'gather' (concatenate ranks), unpack == per-shard gathers;
     and the reduce-scatter packing gives each rank its rows of every gradient."""
-    from graphcomp import ops
+    from graphcomp.ops import collectives as ops
 
     world = 2
     shards = [[torch.randn(3, 4), torch.randn(2), torch.randn(5, 1, 2)] for _ in range(world)]
@@ -167,7 +167,7 @@ def test_bucket_layout_matches_unbucketed_gathers_for_world_2():
 def test_collectives_are_found_inside_split_pieces():
     from torch.fx.passes.split_module import split_module
 
-    from graphcomp.graph_utils import collectives
+    from graphcomp.analysis.graph_utils import collectives
 
     gm = _layers(3)
     n_before = len(collectives(gm))

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from _graphs import counts, run_pass
 
-from graphcomp import loss_ops, memory
-from graphcomp.loss_ops import OPS
+from graphcomp.ops import loss as loss_ops
+from graphcomp.analysis import memory
+from graphcomp.ops.loss import OPS
 
 LCE = "graphcomp.linear_cross_entropy.default"
 CE = "graphcomp.cross_entropy.default"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graphcomp
-import graphcomp.pipeline
+import graphcomp.compiler.pipeline
 from graphcomp.config import Config, field_docs
 from graphcomp.models import TinyMLP
 
@@ -44,7 +44,7 @@ def test_bad_values_name_the_field(opts, pattern):
 
 
 def test_pass_flag_must_be_bool():
-    name = next(iter(graphcomp.pipeline.registered_passes()), None)
+    name = next(iter(graphcomp.compiler.pipeline.registered_passes()), None)
     if name is None:
         pytest.skip("no pass registered")
     with pytest.raises(ValueError, match=rf"Config.passes\['{name}'\]: expected bool"):
@@ -81,5 +81,5 @@ def test_every_field_is_documented_in_readme():
 
 def test_every_pass_is_documented_in_readme():
     text = README.read_text()
-    for name in graphcomp.pipeline.registered_passes():
+    for name in graphcomp.compiler.pipeline.registered_passes():
         assert f"`{name}`" in text, f"pass {name} is missing from README's pass table"

@@ -315,7 +315,7 @@ def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
     secs = graphcomp_pass_seconds()
     assert secs["cudagraph_warmup"] > 0 and "cudagraph_capture" in secs, secs
     assert c["hazard_recaptures"] >= 1 and c["captures"] == settled, dict(c)
-    from graphcomp.inspect_dumps import format_frame
+    from graphcomp.tools.inspect_dumps import format_frame
 
     text = format_frame(frame)
     assert "captures" in text and "pool" in text and "host_sync" in text and "cudagraph" in text
@@ -541,7 +541,7 @@ def test_glue_drops_each_value_before_the_call_that_uses_it_last():
     Inductor frees a saved activation after its last read) is really freed."""
     import weakref
 
-    from graphcomp.runtime.codegen import run_glue
+    from graphcomp.compiler.codegen import run_glue
 
     g = torch.fx.Graph()
     x = g.placeholder("x")
@@ -682,7 +682,7 @@ def test_glue_unpacks_piece_tuples_and_keeps_one_read_whole():
     """The glue unpacks a piece's tuple into its getitems (no step per getitem);
     a tuple also read whole by another node is passed whole; an unused getitem is
     never evaluated."""
-    from graphcomp.runtime.codegen import run_glue
+    from graphcomp.compiler.codegen import run_glue
 
     g = torch.fx.Graph()
     x = g.placeholder("x")

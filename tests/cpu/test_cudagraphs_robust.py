@@ -14,7 +14,7 @@ import torch
 import graphcomp
 from _fakecuda import install_fake_device
 from graphcomp.errors import CudaGraphsRequired
-from graphcomp.plan import Piece
+from graphcomp.compiler.plan import Piece
 from graphcomp.runtime.runner import CudaGraphRunner
 from graphcomp.runtime.static import memory_of, span, static_buffer
 
@@ -273,7 +273,7 @@ def test_batchnorm_running_statistics_match_eager_with_cuda_graphs(codegen):
 def test_mutated_placeholders_finds_in_place_writes_of_inputs():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graphcomp.graph_utils import mutated_placeholders
+    from graphcomp.analysis.graph_utils import mutated_placeholders
 
     def f(a, b, c, d):
         a.copy_(b + 1)  # a write of an input

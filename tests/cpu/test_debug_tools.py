@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphcomp.pipeline import PassSpec, temporary_registry
+from graphcomp.compiler.pipeline import PassSpec, temporary_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 

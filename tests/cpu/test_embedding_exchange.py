@@ -1,5 +1,5 @@
 """graphcomp.shard(model, embedding="exchange"): compiled embedding lookups exchange
-tokens and rows instead of gathering the table (graphcomp.embedding_exchange).
+tokens and rows instead of gathering the table (graphcomp.sharding.embedding_exchange).
 
 Two gloo ranks: the tiny Llama trained 3 AdamW steps with the table gathered and
 with the exchange (fp32: the forward and the first gradients are the same numbers;
@@ -184,7 +184,7 @@ def _auto(rank, world, seqs, admit_gloo=True, dynamic=None, options=None):
     """The tiny Llama under ``embedding="auto"`` (eager codegen, fp32), one step per
     entry of ``seqs`` (this rank's sequence length at that step: ``seqs[i][rank]``).
     ``admit_gloo``: gloo in ``AUTO_BACKENDS`` for this run only (the ranks are reused)."""
-    from graphcomp import embedding_exchange
+    from graphcomp.sharding import embedding_exchange
 
     saved = embedding_exchange.AUTO_BACKENDS
     if admit_gloo:

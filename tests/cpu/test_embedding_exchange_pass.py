@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from _graphs import counts, run_pass
 
-from graphcomp.embedding_exchange import exchange_lookup
+from graphcomp.sharding.embedding_exchange import exchange_lookup
 from graphcomp.session import SESSION
 
 TABLE = "graphcomp.gather_table.default"

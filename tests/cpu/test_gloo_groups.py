@@ -1,5 +1,5 @@
 """graphcomp.shard on CPU parameters shards over a gloo group with one worker thread
-(graphcomp.gloo_groups; docs/heap-corruption.md: two collectives of one group running
+(graphcomp.sharding.gloo_groups; docs/heap-corruption.md: two collectives of one group running
 at once on gloo's worker threads can corrupt memory or hang)."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ def _groups(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import graphcomp
-    from graphcomp import _compat, gloo_groups
+    from graphcomp import _compat
+    from graphcomp.sharding import gloo_groups
     from graphcomp.models import TinyMLP
-    from graphcomp.sharding import shard_info
+    from graphcomp.sharding.shard import shard_info
 
     out = {"world_threads": _compat.gloo_worker_threads(dist.group.WORLD),
            "world_name": _compat.process_group_name(dist.group.WORLD)}
@@ -66,7 +67,8 @@ def test_destroying_a_subgroup_forgets_only_that_group(monkeypatch):
     captured graph uses is not recorded)."""
     import torch.distributed as dist
 
-    from graphcomp import _compat, mesh_sharding, runtime
+    from graphcomp import _compat, runtime
+    from graphcomp.sharding import mesh as mesh_sharding
 
     torn = []
     monkeypatch.setattr(runtime, "teardown", lambda: torn.append(1) or 0)

@@ -3,7 +3,7 @@
 4 iterations on 2 gloo ranks, each a fresh compile of the sharded tiny Llama with
 graphcomp's defaults and 3 training steps, with glibc's heap checks on; every
 iteration under a timeout. graphcomp.shard puts the CPU parameters on a gloo group
-with one worker thread (graphcomp.gloo_groups), so ``schedule_prefetch`` reorders
+with one worker thread (graphcomp.sharding.gloo_groups), so ``schedule_prefetch`` reorders
 the CPU graphs by default. The full loop (hundreds of iterations, 2 and 4 ranks) and
 its numbers: docs/heap-corruption.md. (10 iterations until 2026-11-26: 56 s of CI; a
 smoke at either count, the failure it guards against was once in 150 iterations.)

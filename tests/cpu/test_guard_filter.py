@@ -75,6 +75,6 @@ def test_other_dtensors_keep_their_spec_guards(pg1):
     specs = [(v, keep) for t, v, keep in seen if t == "DTENSOR_SPEC_MATCH"]
     assert specs and all(keep for _, keep in specs), specs
     # and the owned parameter's spec object is recognized, by identity only
-    from graphcomp.guard_filter import _SPECS, _owned
+    from graphcomp.compiler.guard_filter import _SPECS, _owned
 
     assert _owned(_SPECS, owned._spec) and not _owned(_SPECS, x._spec)

@@ -48,7 +48,7 @@ def _train(model, batches, step_fn, steps):
 
 
 def _grads(model):
-    from graphcomp.sharding import is_sharded, shard_info
+    from graphcomp.sharding.shard import is_sharded, shard_info
 
     out = {}
     for name, p in model.named_parameters():
@@ -74,7 +74,7 @@ def _sharded(rank, world, family, codegen, embedding="gather", exchanged=None, o
     import torch.distributed as dist
 
     import graphcomp
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
 
     torch._dynamo.reset()
     graphcomp.reset()
@@ -365,7 +365,7 @@ def test_large_forward_outputs_leave_the_pool_uncopied(world1, fake_cuda, monkey
     hazard is declared (without that, every piece was captured again at step 1).
     Losses are bitwise those of ``copy_outputs="always"`` (the stand-in device
     scribbles over pool memory a replay may overwrite)."""
-    import graphcomp.runtime.codegen as codegen
+    import graphcomp.compiler.codegen as codegen
 
     monkeypatch.setattr(codegen, "FORWARD_COPY_BELOW", 64)  # the tiny model's logits are 8 KiB
     ref, c_ref, _ = _gpt2_steps(6, False, {"copy_outputs": "always"})
@@ -384,7 +384,7 @@ def test_held_large_forward_output_is_never_overwritten(world1, fake_cuda, monke
     held logits keep their values.
     (Dropout off: a re-capture's warm-up call draws random numbers, so with dropout
     the losses would differ from a run without one.)"""
-    import graphcomp.runtime.codegen as codegen
+    import graphcomp.compiler.codegen as codegen
 
     monkeypatch.setattr(codegen, "FORWARD_COPY_BELOW", 64)
     ref, _, _ = _gpt2_steps(6, True, {"copy_outputs": "always"}, dropout=0.0)

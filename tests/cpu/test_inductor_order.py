@@ -107,7 +107,7 @@ def test_default_keeps_graphcomps_order_and_the_option_lets_inductor_reorder(ran
 
 
 def test_inspect_says_whose_order_ran():
-    from graphcomp.inspect_dumps import format_frame
+    from graphcomp.tools.inspect_dumps import format_frame
 
     def stage(rec):
         return {"nodes_in": 1, "nodes_out": 1, "passes": [], "collectives": [], "inductor_memory_reorder": rec}
@@ -117,7 +117,7 @@ def test_inspect_says_whose_order_ran():
     text = format_frame(frame)
     assert ("Inductor node order (inductor_memory_reorder): fwd: graphcomp's order kept (Inductor's "
             "reorder_for_peak_memory off); bwd: Inductor replaced the order of 1 of 2 graph(s)") in text
-    from graphcomp.inspect_html import _frame
+    from graphcomp.tools.inspect_html import _frame
 
     page = _frame(frame)
     assert "<dt>Inductor node order</dt><dd>fwd: graphcomp&#x27;s order kept" in page

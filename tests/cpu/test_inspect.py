@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from graphcomp import cli
+from graphcomp.tools import cli
 from graphcomp.config import Config
 from graphcomp.models import TinyMLP
-from graphcomp.pipeline import PassSpec, registered_passes, temporary_registry
+from graphcomp.compiler.pipeline import PassSpec, registered_passes, temporary_registry
 
 
 def _gelu_to_relu(gm, ctx):
@@ -93,7 +93,7 @@ def test_inspect_missing_dir(tmp_path, capsys):
 
 def test_console_script_installed(tmp_path):
     root = _compile_with_test_pass(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "graphcomp.cli", "inspect", str(root)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "graphcomp.tools.cli", "inspect", str(root)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "gelu_to_relu" in out.stdout
 
@@ -230,7 +230,7 @@ def _synthetic_summary(root):
 
 
 def test_html_pieces_collectives_and_chart_geometry(tmp_path):
-    from graphcomp.inspect_html import render_html
+    from graphcomp.tools.inspect_html import render_html
 
     text = render_html(_synthetic_summary(tmp_path / "d"))
     page = _parse(text)
@@ -270,7 +270,7 @@ def test_html_renders_in_a_headless_browser(tmp_path):
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         pytest.skip("no chromium on this machine (apt-get install chromium)")
-    from graphcomp.inspect_html import write_html
+    from graphcomp.tools.inspect_html import write_html
 
     page = write_html(_synthetic_summary(tmp_path / "d"), tmp_path / "page.html")
     png = tmp_path / "page.png"
@@ -283,8 +283,8 @@ def test_html_renders_in_a_headless_browser(tmp_path):
 def test_measured_peak_against_the_largest_estimate(tmp_path, monkeypatch):
     """runtime.json's ``memory`` (teardown, CUDA only) and ``graphcomp inspect``'s
     measured-vs-estimated lines (issue 14: "the estimated vs measured peak")."""
-    from graphcomp.inspect_dumps import inspect_dir, largest_estimate
-    from graphcomp.inspect_html import render_html
+    from graphcomp.tools.inspect_dumps import inspect_dir, largest_estimate
+    from graphcomp.tools.inspect_html import render_html
     from graphcomp.runtime import manager
 
     # CPU process: nothing measured
@@ -315,8 +315,8 @@ def test_measured_peak_against_the_largest_estimate(tmp_path, monkeypatch):
 def test_piece_rows_name_their_compile_regions():
     """A captured piece divided into compile regions (``compile_regions``) says how
     many in the inspect tables; other pieces show their node count alone."""
-    from graphcomp.inspect_dumps import nodes_text
-    from graphcomp.plan import Piece
+    from graphcomp.tools.inspect_dumps import nodes_text
+    from graphcomp.compiler.plan import Piece
 
     row = Piece(index=0, mode="cudagraph", nodes=4213, regions=33).row()
     assert row["regions"] == 33 and nodes_text(row) == "4213 in 33 regions"
@@ -325,12 +325,12 @@ def test_piece_rows_name_their_compile_regions():
 
 
 def test_cli_demo_hands_its_options_to_the_demo(monkeypatch):
-    """`graphcomp demo --steps 2 ...` reaches graphcomp.demo with every option (argparse's
+    """`graphcomp demo --steps 2 ...` reaches graphcomp.tools.demo with every option (argparse's
     REMAINDER used to reject a first option as the outer parser's)."""
-    import graphcomp.demo
+    import graphcomp.tools.demo
 
     seen = []
-    monkeypatch.setattr(graphcomp.demo, "launch", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(graphcomp.tools.demo, "launch", lambda argv: seen.append(argv) or 0)
     assert cli.main(["demo", "--steps", "2", "--codegen", "eager"]) == 0
     assert cli.main(["demo"]) == 0
     assert seen == [["--steps", "2", "--codegen", "eager"], []]

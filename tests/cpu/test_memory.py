@@ -1,11 +1,11 @@
-"""graphcomp.memory: the static memory model on hand-built graphs."""
+"""graphcomp.analysis.memory: the static memory model on hand-built graphs."""
 
 import pytest
 import torch
 
 from _graphs import gather, trace
 
-from graphcomp import memory
+from graphcomp.analysis import memory
 
 
 def _node(gm, name):
@@ -99,7 +99,7 @@ def test_budget_resolution():
 
 
 def test_inspect_shows_estimated_peak_per_stage():
-    from graphcomp.inspect_dumps import format_frame
+    from graphcomp.tools.inspect_dumps import format_frame
 
     gm = trace(lambda x: (x * 2 + 1).sum(), torch.randn(256))
     frame = {"frame": 0, "stages": {"fwd": {"nodes_in": 5, "nodes_out": 5, "passes": [], "collectives": [],

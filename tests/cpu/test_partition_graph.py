@@ -11,10 +11,10 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map
 
-from graphcomp import memory
+from graphcomp.analysis import memory
 from graphcomp.config import Config
-from graphcomp.pipeline import PassContext, PassRecord
-from graphcomp.plan import Piece, SplitPlan, StageInputs
+from graphcomp.compiler.pipeline import PassContext, PassRecord
+from graphcomp.compiler.plan import Piece, SplitPlan, StageInputs
 from graphcomp.runtime.static import classify_static_inputs, output_users
 
 import graphcomp.passes.partition_graph as pg
@@ -400,7 +400,7 @@ def test_split_module_equals_original(ops, mask, min_nodes):
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     # and through the codegen (eager pieces, output normalisation, glue)
-    from graphcomp.runtime.codegen import compile_pieces
+    from graphcomp.compiler.codegen import compile_pieces
 
     plan = SplitPlan("fwd", split, gm, [Piece(r["piece"], r["mode"], r["nodes"], r["reason"]) for r in rows], [])
     run = compile_pieces(plan, StageInputs(), Config(), lambda p, ins, s: (lambda a: p(*a)))
@@ -432,7 +432,7 @@ def test_tensor_constant_reaches_the_pieces_through_the_glue():
     and passed to the piece that reads it: the glue runs it (this raised
     NotImplementedError on 2 GPUs with TP) and the runner plan treats it as a
     static input (its address never changes), not as an input to copy."""
-    from graphcomp.runtime.codegen import compile_pieces
+    from graphcomp.compiler.codegen import compile_pieces
     from graphcomp.runtime.static import classify_static_inputs
 
     def f(x):
@@ -643,7 +643,7 @@ def test_region_cuts_follow_waits_and_skip_inflight_spans():
 
 
 def test_plan_pieces_regions_and_identical_region_keys():
-    from graphcomp.runtime.codegen import piece_example_inputs, region_key
+    from graphcomp.compiler.codegen import piece_example_inputs, region_key
 
     gm = _blocks_graph(4)
     assign, rows, _ = pg.plan_pieces(gm, region_min_nodes=4, capture=False)
@@ -742,7 +742,7 @@ def _const_graph(value, numel=1):
 
 
 def test_region_key_compares_constants_by_value_and_refuses_symbolic_inputs():
-    from graphcomp.runtime.codegen import REGION_CONST_NUMEL, region_key
+    from graphcomp.compiler.codegen import REGION_CONST_NUMEL, region_key
 
     a, ex = _const_graph(3.0)
     b, _ = _const_graph(3.0)
@@ -763,7 +763,7 @@ def test_region_key_takes_generator_inputs_by_device():
     ``torch.Generator`` (``fwd_rng_state_<i>``, one per block): the twin blocks'
     regions take different generators and still share one key (W3 on 2 H200s, 41bfeff:
     every region "not reusable: input 15 is a Generator" before this)."""
-    from graphcomp.runtime.codegen import NotReusable, region_key, region_key_parts
+    from graphcomp.compiler.codegen import NotReusable, region_key, region_key_parts
 
     g = fx.Graph()
     x, gen = g.placeholder("x"), g.placeholder("fwd_rng_state_0")
@@ -784,7 +784,7 @@ def test_captured_regions_with_folded_host_constants_share_one_key():
     every block)."""
     from tests.cpu._graphs import trace
 
-    from graphcomp.runtime.codegen import _region_assign, piece_example_inputs, region_key
+    from graphcomp.compiler.codegen import _region_assign, piece_example_inputs, region_key
 
     def f(x, *shards):
         for s in shards:
@@ -893,7 +893,7 @@ def test_auto_regions_compile_the_piece_whole_when_most_regions_would_compile(bl
     into regions is compiled region by region only when at most half of its regions
     need their own compile; otherwise it compiles whole (nothing compiled region by
     region first), counted in ``region_pieces_compiled_whole``. ``True`` always composes."""
-    from graphcomp.runtime import codegen
+    from graphcomp.compiler import codegen
     from graphcomp.session import SESSION
 
     piece = _tagged_piece(block_layers)
@@ -916,7 +916,7 @@ def test_auto_regions_compile_the_piece_whole_when_most_regions_would_compile(bl
 
 
 def test_regions_to_compile_counts_new_keys_and_unreusable_regions():
-    from graphcomp.runtime.codegen import _hash_parts, _regions_to_compile
+    from graphcomp.compiler.codegen import _hash_parts, _regions_to_compile
 
     a, b = ["code a"], ["code b"]
     assert _regions_to_compile([a, a, b, a], {}) == 2
@@ -935,7 +935,7 @@ def test_config_compile_regions_values():
 def test_region_assign_needs_every_node_tagged_and_two_regions():
     """The codegen composes a piece from regions only when partition_graph tagged
     every node and found at least two regions; otherwise the piece compiles whole."""
-    from graphcomp.runtime.codegen import _region_assign
+    from graphcomp.compiler.codegen import _region_assign
 
     gm = fx.symbolic_trace(lambda x: (x.sin() * 2).cos())
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.fx as fx
 
-from graphcomp import pipeline
+from graphcomp.compiler import pipeline
 from graphcomp.config import Config
-from graphcomp.pipeline import PassContext, PassResult, PassSpec, pass_order, run_stage, temporary_registry
+from graphcomp.compiler.pipeline import PassContext, PassResult, PassSpec, pass_order, run_stage, temporary_registry
 
 
 def _noop(reason):

@@ -21,7 +21,7 @@ class _Provider:  # a live "optimizer step that prefetches" for the pass's check
 
 @pytest.fixture
 def provider(monkeypatch):
-    from graphcomp.prefetch import PREFETCH
+    from graphcomp.sharding.prefetch import PREFETCH
 
     p = _Provider()
     PREFETCH.providers.add(p)
@@ -31,8 +31,8 @@ def provider(monkeypatch):
 
 def _run(gm, static_idxs, **options):
     from graphcomp.config import Config
-    from graphcomp.pipeline import PassContext, PassRecord, get_pass
-    from graphcomp.plan import FramePlan, StageInputs
+    from graphcomp.compiler.pipeline import PassContext, PassRecord, get_pass
+    from graphcomp.compiler.plan import FramePlan, StageInputs
 
     frame = FramePlan()
     frame.inputs["fwd"] = StageInputs(static_idxs=tuple(static_idxs))
@@ -89,7 +89,7 @@ def test_tied_table_is_left_alone(provider):
 
 
 def test_no_prefetching_optimizer_or_require_means_no_rewrite(provider):
-    from graphcomp.prefetch import PREFETCH
+    from graphcomp.sharding.prefetch import PREFETCH
 
     gm, rec = _run(_forward_like(), static_idxs=(0, 1), cudagraphs="require")
     assert not any(n.target is PG for n in gm.graph.nodes) and "require" in rec.reason
@@ -185,7 +185,7 @@ def test_take_uses_a_valid_prefetch_and_discards_the_rest():
     captured, or when the next step's supersedes it; release() drops what is in flight."""
     from _graphs import world1_group
 
-    from graphcomp.prefetch import PREFETCH
+    from graphcomp.sharding.prefetch import PREFETCH
     from graphcomp.runtime.manager import RUNTIME
 
     with world1_group() as group:

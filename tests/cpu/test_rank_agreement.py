@@ -1,4 +1,4 @@
-"""Rank agreement (graphcomp.agreement): ranks whose Python takes different paths
+"""Rank agreement (graphcomp.compiler.agreement): ranks whose Python takes different paths
 fail with an error naming the first differing collective and its source line, on
 every rank, long before the process-group timeout; matching ranks pass through.
 
@@ -252,7 +252,7 @@ def test_a_different_prefetch_distance_is_not_a_divergence():
     """``prefetch_ahead`` counts local compute nodes (2 H100s, 2026-11-25: 24 vs 25
     on the tiny Llama's ranks raised RankDivergence with identical collectives). It is
     shown in the rows, not compared; a size or order change is."""
-    from graphcomp import agreement
+    from graphcomp.compiler import agreement
 
     colls = [{"group": "0", "kind": "all_gather", "op": "x", "dtype": "float32", "bytes": 512,
               "bucket": "joint:ag0", "prefetch_ahead": 24},

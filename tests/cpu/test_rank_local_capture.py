@@ -26,7 +26,7 @@ def _train(rank: int, world: int, cudagraphs: str) -> dict:
 
     import graphcomp
     from graphcomp.models import Llama, synthetic_batch
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
 
     with fake_cuda_runtime():
         torch.manual_seed(0)

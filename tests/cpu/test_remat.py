@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from _graphs import run_pass
 
 import graphcomp
-from graphcomp import _compat, memory
+from graphcomp import _compat
+from graphcomp.analysis import memory
 from graphcomp.passes.remat import backward_region, candidates, plan
 
 aten = torch.ops.aten
@@ -311,7 +312,7 @@ def _sgd_steps(cm, opt, batches):
 def _train_sharded(rank, world, options, ckpt, steps=3):
     """Sharded training of _Net (each rank its half of the batch); returns losses,
     full parameters, counters and the remat records of every frame."""
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
 
     torch._dynamo.reset()
     graphcomp.reset()
@@ -378,8 +379,8 @@ def test_sharded_2ranks_checkpoint_bitwise_and_one_frame(ranks2):
 
 
 def test_inspect_shows_the_decision(tmp_path, capsys):
-    from graphcomp import cli
-    from graphcomp.inspect_html import render_html
+    from graphcomp.tools import cli
+    from graphcomp.tools.inspect_html import render_html
 
     _, _, probe, _ = _train({"codegen": "eager", "remat": "auto", "memory_budget": 10**9}, (0, 1, 2, 3), steps=1)
     c = probe["counts"]
@@ -389,7 +390,7 @@ def test_inspect_shows_the_decision(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "est. peak planned" in out and "user regions" in out
-    from graphcomp.inspect_dumps import _fmt_bytes
+    from graphcomp.tools.inspect_dumps import _fmt_bytes
 
     row = next(line for line in out.splitlines() if line.startswith("joint") and _fmt_bytes(tight) in line)
     assert f"{rec['counts']['recomputed']:g} ({_fmt_bytes(rec['counts']['recomputed_bytes'])})" in row
@@ -493,7 +494,7 @@ def _llama_steps(rank, world, ckpt, codegen, steps=3):
     from dataclasses import replace
 
     from graphcomp.models import PRESETS, Llama
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
     from benchmarks.workloads import CheckpointedBlock
 
     torch._dynamo.reset()
@@ -542,7 +543,7 @@ def test_inspect_remat_row_names_the_room_the_users_checkpointing_leaves():
     """``graphcomp inspect``'s remat table: under ``respect_user`` a budget with room
     for what the user's regions recompute points at ``remat="auto"``; without room,
     only the count."""
-    from graphcomp.inspect_dumps import remat_rows
+    from graphcomp.tools.inspect_dumps import remat_rows
 
     def frame(**counts):
         c = {"budget_bytes": 2**30, "estimated_peak_before": 2**29, "estimated_peak_after": 2**29,

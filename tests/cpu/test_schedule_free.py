@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from _graphs import gather, run_pass, trace, world1_group
 
-from graphcomp import _compat, memory
-from graphcomp.graph_utils import is_target
-from graphcomp.sharding import _GatherParam
+from graphcomp import _compat
+from graphcomp.analysis import memory
+from graphcomp.analysis.graph_utils import is_target
+from graphcomp.sharding.shard import _GatherParam
 from graphcomp.passes import schedule_free as sf
 from graphcomp.passes.schedule_free import choose_kept, gather_groups, is_post_op
 
@@ -217,7 +218,7 @@ def test_default_is_auto():
 def test_auto_under_the_default_budget_leaves_room_for_optimizer_state(monkeypatch):
     """memory_budget="auto" (0.9 of the device) keeps gathers only while the estimate
     plus 2x the shards' bytes fits; an explicit budget of the same size keeps more."""
-    from graphcomp import memory
+    from graphcomp.analysis import memory
 
     gm = _joint_like([8, 8], [True, True])
     _, rec0 = run_pass("schedule_free", _joint_like([8, 8], [True, True]), reshard_after_forward=False)
@@ -236,7 +237,7 @@ def test_auto_under_the_default_budget_leaves_room_for_optimizer_state(monkeypat
 def test_auto_under_the_default_budget_leaves_room_for_other_frames(monkeypatch):
     """Two compiled functions (graph breaks) hold their kept gathers at the same time:
     the second's decision sees the first's; a recompile of the first replaces its own."""
-    from graphcomp import memory
+    from graphcomp.analysis import memory
     from graphcomp.session import SESSION
 
     g = lambda: _joint_like([8, 8], [True, True])  # noqa: E731
@@ -258,7 +259,7 @@ def test_auto_under_the_default_budget_leaves_room_for_other_frames(monkeypatch)
 def test_auto_with_no_room_after_the_reserve_reshards_without_a_warning(monkeypatch, caplog):
     """The graph fits the default budget but not with the optimizer reserve on top:
     every gather resharded, noted, not reported as an infeasible budget."""
-    from graphcomp import memory
+    from graphcomp.analysis import memory
 
     gm = _joint_like([8, 8], [True, True])
     groups = sf.gather_groups(gm, memory.backward_nodes(gm))
@@ -274,7 +275,7 @@ def test_remat_plans_under_the_same_room_as_schedule_free(monkeypatch):
     """Under the default budget, remat (which plans first) subtracts the optimizer
     reserve too: its budget is the room schedule_free keeps gathers in; under an
     explicit budget neither subtracts anything."""
-    from graphcomp import memory
+    from graphcomp.analysis import memory
 
     gm = _joint_like([8, 8], [True, True])
     groups = sf.gather_groups(gm, memory.backward_nodes(gm))
@@ -342,7 +343,7 @@ def test_auto_recompile_reuses_the_first_plan_whatever_its_shapes(monkeypatch):
     """A rank that recompiles alone for a new shape must issue its peers' gathers: the
     function's first plan is reused even where the new estimate would decide
     otherwise; a graph with other gathers decides afresh."""
-    from graphcomp import memory
+    from graphcomp.analysis import memory
 
     g = lambda: _joint_like([8, 8], [True, True])  # noqa: E731
     _, full = run_pass("schedule_free", g(), reshard_after_forward=False)
@@ -428,7 +429,7 @@ def test_property_auto_keeps_what_the_one_by_one_greedy_keeps(sizes, uses, frac)
 
 def test_auto_with_many_gathers_needs_few_estimates():
     """All fit: two estimates; a tight budget: a bisection, not one per gather."""
-    from graphcomp.pipeline import PassRecord
+    from graphcomp.compiler.pipeline import PassRecord
 
     gm = _joint_like([16] * 24, [True] * 24)
     groups = gather_groups(gm, memory.backward_nodes(gm))
@@ -437,7 +438,7 @@ def test_auto_with_many_gathers_needs_few_estimates():
 
     def run(budget):
         from graphcomp.config import Config
-        from graphcomp.pipeline import PassContext
+        from graphcomp.compiler.pipeline import PassContext
 
         ctx = PassContext(config=Config(), frame_id=0, stage="joint")
         ctx.record = PassRecord(name="schedule_free", stage="joint", enabled=True)

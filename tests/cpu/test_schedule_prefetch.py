@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from _graphs import gather, reduce_scatter, run_pass, trace, world1_group
 
-from graphcomp import memory
-from graphcomp.graph_utils import is_target
+from graphcomp.analysis import memory
+from graphcomp.analysis.graph_utils import is_target
 from graphcomp.passes.schedule_free import is_post_op
 
 c10d = torch.ops._c10d_functional
@@ -176,8 +176,8 @@ def test_cpu_graphs_stay_in_place_by_default_and_the_knob_reorders_them():
     """CPU (gloo) graphs keep every collective waited where it was traced unless
     FramePlan.prefetch_cpu_graphs opts in (docs/heap-corruption.md); the reason says so."""
     from graphcomp.config import Config
-    from graphcomp.pipeline import PassContext, PassRecord, get_pass
-    from graphcomp.plan import FramePlan
+    from graphcomp.compiler.pipeline import PassContext, PassRecord, get_pass
+    from graphcomp.compiler.plan import FramePlan
 
     def run(frame):
         gm = _layers(4)
@@ -199,12 +199,12 @@ def test_cpu_graphs_stay_in_place_by_default_and_the_knob_reorders_them():
 
 def test_cpu_graphs_on_a_one_thread_gloo_group_are_prefetched(monkeypatch):
     """A CPU graph whose collectives all run on a gloo group with one worker thread
-    (what graphcomp.shard gives CPU parameters: graphcomp.gloo_groups) is scheduled as
+    (what graphcomp.shard gives CPU parameters: graphcomp.sharding.gloo_groups) is scheduled as
     a CUDA graph is: there collectives run one at a time (docs/heap-corruption.md)."""
-    from graphcomp import gloo_groups
+    from graphcomp.sharding import gloo_groups
     from graphcomp.config import Config
-    from graphcomp.pipeline import PassContext, PassRecord, get_pass
-    from graphcomp.plan import FramePlan
+    from graphcomp.compiler.pipeline import PassContext, PassRecord, get_pass
+    from graphcomp.compiler.plan import FramePlan
 
     monkeypatch.setattr(gloo_groups, "is_serial", lambda name: name == "g")
     gm = _layers(4)

@@ -43,7 +43,7 @@ def _train_sharded(rank, world, cfg):
 
     import graphcomp
     from graphcomp.models import Llama, synthetic_batch
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
 
     torch._dynamo.reset()
     graphcomp.reset()
@@ -58,7 +58,7 @@ def _train_sharded(rank, world, cfg):
     if cfg.get("zero_copy_cpu"):  # zero_copy_buckets on these CPU graphs too (restored below: pools are reused)
         import sys
 
-        from graphcomp.plan import FramePlan
+        from graphcomp.compiler.plan import FramePlan
 
         gc_backend = sys.modules["graphcomp.backend"]  # (the module: graphcomp.backend is the backend callable)
 

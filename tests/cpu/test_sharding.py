@@ -18,7 +18,7 @@ from torch import nn
 
 import graphcomp
 from graphcomp.models import Llama, TinyMLP, get_config, synthetic_batch
-from graphcomp.sharding import ShardInfo, full_state_dict, is_sharded, shard_info
+from graphcomp.sharding.shard import ShardInfo, full_state_dict, is_sharded, shard_info
 
 from _dist import PoolView, RankError
 
@@ -122,7 +122,7 @@ def _compile(model: nn.Module, how: str) -> nn.Module:
         return torch.compile(model, backend="aot_eager", fullgraph=True)
     # graph passes off: these tests check the graph that sharding itself traces
     # (the passes have their own tests, which build on this one)
-    from graphcomp.pipeline import registered_passes
+    from graphcomp.compiler.pipeline import registered_passes
 
     codegen = how.split(":")[1]
     passes = {name: False for name in registered_passes()}
@@ -506,7 +506,7 @@ def test_world_size_one_has_no_collectives(pg1, caplog):
 
     ref = _make("zoo")
     model = copy.deepcopy(ref)
-    with caplog.at_level("INFO", logger="graphcomp.sharding"):
+    with caplog.at_level("INFO", logger="graphcomp.sharding.shard"):
         assert graphcomp.shard(model, param_dtype=torch.float32) is model  # same dtype: no cast
     n_bytes = 4 * sum(p.numel() for p in ref.parameters())
     assert f"{len(list(ref.parameters()))} parameters ({n_bytes} bytes) sharded over 1 ranks" in caplog.text
@@ -523,7 +523,7 @@ def test_world_size_one_has_no_collectives(pg1, caplog):
             assert d["collectives"] == [], (stage, d["collectives"])
     torch.testing.assert_close(model._parameters["row"].grad.to_local(), ref.row.grad)
     # print(model) must not gather (a gather on one rank only would hang the job)
-    import graphcomp.sharding as sharding_mod
+    import graphcomp.sharding.shard as sharding_mod
 
     def _no_gather(*a, **k):
         raise AssertionError("repr gathered a parameter")
@@ -626,7 +626,8 @@ def test_gather_op_decomposes_under_inductor_even_after_its_table_was_cached():
     the copy select_decomp_table() caches on its first call."""
     from torch._inductor import decomposition
 
-    from graphcomp import _compat, shard_gather
+    from graphcomp import _compat
+    from graphcomp.sharding import gather as shard_gather
 
     decomposition.select_decomp_table()  # an earlier Inductor compile cached the table
     _compat.register_inductor_decompositions(shard_gather.DECOMPOSITIONS)

@@ -17,7 +17,7 @@ import torch
 import graphcomp
 from graphcomp import optim as gopt
 from graphcomp.runtime import RUNTIME
-from graphcomp.step_capture import StepCapture
+from graphcomp.runtime.whole_step import StepCapture
 
 from _fakecuda import replay_whole_step
 from _optim_standin import (  # noqa: F401 (fixtures dev, pg1)
@@ -354,8 +354,8 @@ def test_teardown_releases_the_graph(pg1, sdev):
 def test_teardown_records_what_ran_captured_for_inspect(pg1, sdev, tmp_path, monkeypatch):
     """With dumps on, teardown writes rank<R>/runtime.json (the whole-step and optimizer
     captures, the counters) and ``graphcomp inspect`` (text and HTML) shows it."""
-    from graphcomp.inspect_dumps import inspect_dir
-    from graphcomp.inspect_html import render_html
+    from graphcomp.tools.inspect_dumps import inspect_dir
+    from graphcomp.tools.inspect_html import render_html
 
     monkeypatch.setenv("GRAPHCOMP_DUMP_DIR", str(tmp_path))
     graphcomp.reset()
@@ -432,7 +432,7 @@ def _compiled(rank: int, world: int, whole: bool) -> dict:
     from _fakecuda import fake_cuda_runtime
 
     from graphcomp.models import Llama, synthetic_batch
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
 
     with fake_cuda_runtime():
         torch.manual_seed(0)

@@ -110,7 +110,7 @@ def _parallelize(kind: str, model, mesh, loss_parallel: bool) -> None:
 
 def full_grads(model) -> dict[str, torch.Tensor | None]:
     """Every sharded parameter's gradient as a full tensor of its logical shape (collective)."""
-    from graphcomp.sharding import _INFO_ATTR, _logical_dtensor
+    from graphcomp.sharding.shard import _INFO_ATTR, _logical_dtensor
 
     out = {}
     for mod in model.modules():
@@ -137,7 +137,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
 
     import graphcomp
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
     from graphcomp.session import SESSION as STATE
 
     kind, dp, lp = cfg["kind"], cfg["dp"], cfg.get("loss_parallel", False)
@@ -164,7 +164,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
         loss = (loss.to_local() if hasattr(loss, "to_local") else loss).clone()
         dist.all_reduce(loss, group=mesh["dp"].get_group())
         losses.append(float(loss) / dp)
-    from graphcomp.sharding import _INFO_ATTR
+    from graphcomp.sharding.shard import _INFO_ATTR
 
     infos = {id(i): i for m in model.modules() for i in (m.__dict__.get(_INFO_ATTR) or {}).values()}.values()
     padded_bytes = sum(math.prod(i.padded_shape) * 4 for i in infos if i.world_size > 1)
@@ -239,7 +239,7 @@ def _state(rank: int, world: int, tmp: str) -> dict:
 
     import graphcomp
     from graphcomp.models import Llama, get_config, synthetic_batch
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
 
     cfg = get_config("tiny-tp").with_(n_layers=1, vocab_size=130, ffn_dim=78)  # 130/2 = 65, 78/2 = 39 rows per tp rank
     mesh = _mesh(world, 2)
@@ -363,7 +363,7 @@ def test_bad_meshes_and_plans_are_value_errors(pg1):
 def test_shard_groups_are_forgotten_with_the_process_group():
     import torch.distributed as dist
 
-    from graphcomp import mesh_sharding
+    from graphcomp.sharding import mesh as mesh_sharding
     from graphcomp.session import SESSION as STATE
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

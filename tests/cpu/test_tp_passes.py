@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from _graphs import c10d, counts, gather, reduce_scatter, run_pass, trace, world1_group
 
-from graphcomp import graph_utils as gu
+from graphcomp.analysis import graph_utils as gu
 from graphcomp.session import SESSION as STATE
 
 AG = "_c10d_functional.all_gather_into_tensor.default"
@@ -149,7 +149,7 @@ def test_schedule_free_regathers_parameters_not_tp_activations():
     from functorch.compile import aot_function
 
     from graphcomp import _compat
-    from graphcomp.sharding import _GatherParam
+    from graphcomp.sharding.shard import _GatherParam
 
     with world1_group() as dp:
         tp = dist.new_group([0]).group_name

@@ -1,4 +1,4 @@
-"""The collective verifier (graphcomp.verify): deliberately broken passes are caught
+"""The collective verifier (graphcomp.analysis.verify): deliberately broken passes are caught
 with an error naming the pass; the product passes (fused, bucketed forms) pass it."""
 
 import pytest
@@ -8,9 +8,9 @@ import torch.fx as fx
 from _graphs import c10d, gather, reduce_scatter, trace
 from graphcomp.config import Config
 from graphcomp.errors import CollectiveVerifyError
-from graphcomp.graph_utils import is_target
-from graphcomp.pipeline import PassContext, register_pass, run_stage, temporary_registry
-from graphcomp.plan import FramePlan
+from graphcomp.analysis.graph_utils import is_target
+from graphcomp.compiler.pipeline import PassContext, register_pass, run_stage, temporary_registry
+from graphcomp.compiler.plan import FramePlan
 
 aten = torch.ops.aten
 
@@ -146,7 +146,7 @@ def _tied(world=2, group="g"):
 
 
 def test_tied_weight_merged_into_one_bucket_passes_and_is_still_checked():
-    from graphcomp.verify import inventory
+    from graphcomp.analysis.verify import inventory
 
     gm = _tied()
     before = inventory(gm)
@@ -157,7 +157,7 @@ def test_tied_weight_merged_into_one_bucket_passes_and_is_still_checked():
     assert sum(after.gathers.values()) == 1 and sum(after.reduces.values()) == 1  # merged, still there
     # the rule still holds a pass to "gathered before => gathered after": all of a tied
     # weight's gathers dropped (here: the graph before the pass had 2, the one after 0) is caught
-    from graphcomp.verify import check
+    from graphcomp.analysis.verify import check
 
     empty = inventory(trace(lambda x: (x.sum(),), torch.randn(2, 4)))
     with pytest.raises(CollectiveVerifyError, match=r"all-gathered 0 time\(s\) on group 'g', 2 before"):

@@ -17,7 +17,7 @@ def _train(rank: int, world: int, cudagraphs: str) -> dict:
 
     import graphcomp
     from graphcomp.models import BatchNormMLP
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
 
     with fake_cuda_runtime():
         torch.manual_seed(0)

@@ -9,7 +9,7 @@ import operator
 import torch
 
 from _graphs import c10d, counts, gather, reduce_scatter, run_pass, trace, world1_group
-from graphcomp import verify
+from graphcomp.analysis import verify
 
 AG = "_c10d_functional.all_gather_into_tensor.default"
 AG_CO = "_c10d_functional.all_gather_into_tensor_coalesced.default"

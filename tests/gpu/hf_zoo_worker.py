@@ -74,7 +74,7 @@ def _pieces() -> list[dict]:
 
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Logical-shape full gradients of a sharded model, by parameter name."""
-    from graphcomp.sharding import shard_info
+    from graphcomp.sharding.shard import shard_info
 
     out = {}
     for name, p in model.named_parameters():
@@ -129,7 +129,7 @@ def run_parity(family: str, rank: int, world: int) -> dict:
         lt = loss.detach().clone()
         dist.all_reduce(lt)
         losses.append(float(lt) / world)
-    from graphcomp.sharding import full_state_dict
+    from graphcomp.sharding.shard import full_state_dict
 
     params = {k: v.float() for k, v in full_state_dict(m, cpu=False).items()}
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import graphcomp
 from graphcomp.models import Llama, synthetic_batch
-from graphcomp.sharding import full_state_dict
+from graphcomp.sharding.shard import full_state_dict
 
 STEPS, BATCH, SEQ = 10, 4, 32
 

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import graphcomp
-from graphcomp import _compat, loss_ops
+from graphcomp import _compat
+from graphcomp.ops import loss as loss_ops
 from graphcomp.models import Llama, synthetic_batch
 
 pytestmark = pytest.mark.gpu

@@ -15,8 +15,8 @@ c10d = torch.ops._c10d_functional
 
 def _run_pass(gm):
     from graphcomp.config import Config
-    from graphcomp.pipeline import PassContext, PassRecord, get_pass
-    from graphcomp.plan import FramePlan
+    from graphcomp.compiler.pipeline import PassContext, PassRecord, get_pass
+    from graphcomp.compiler.plan import FramePlan
 
     ctx = PassContext(config=Config(), frame_id=0, stage="joint", frame=FramePlan())
     ctx.record = PassRecord(name="fuse_grad_upcast", stage="joint", enabled=True)

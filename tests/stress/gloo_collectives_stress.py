@@ -45,7 +45,7 @@ def _body(rank: int, world: int, iters: int, max_inflight: int, plain: bool, see
     import torch
     import torch.distributed as dist
 
-    import graphcomp.ops  # noqa: F401  (registers graphcomp::)
+    import graphcomp.ops.collectives  # noqa: F401  (registers graphcomp::)
 
     c10d, gc = torch.ops._c10d_functional, torch.ops.graphcomp
     group = (_gloo_group(threads) if threads else dist.group.WORLD).group_name

@@ -107,9 +107,9 @@ def _train(rank: int, world: int, cfg: dict, steps: int, seed: int, prefetch_cpu
 
     gc_backend = importlib.import_module("graphcomp.backend")  # the module (graphcomp.backend is the function)
     from graphcomp.models import Llama, synthetic_batch
-    from graphcomp.plan import FramePlan
+    from graphcomp.compiler.plan import FramePlan
 
-    # the knob (graphcomp.plan.FramePlan.prefetch_cpu_graphs) for every frame compiled here;
+    # the knob (graphcomp.compiler.plan.FramePlan.prefetch_cpu_graphs) for every frame compiled here;
     # None: graphcomp's default
     gc_backend.FramePlan = FramePlan if prefetch_cpu is None else (lambda: FramePlan(prefetch_cpu_graphs=prefetch_cpu))
     if recompile or not _STATE:

@@ -1,7 +1,0 @@
-"""graphcomp's graph passes, one module per pass (shipped as ``graphcomp.passes``).
-
-Each module defines one function decorated ``@register_pass(...)`` and a docstring
-that draws what it matches, what it rewrites, and when it is a no-op. The order in
-which the passes run is written once, in ``graphcomp.pipeline.PASS_ORDER``; the
-pipeline imports ``graphcomp.passes.<name>`` for each name there.
-"""
