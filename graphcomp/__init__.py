@@ -19,6 +19,7 @@ from graphcomp.config import Config
 from graphcomp.sharding.shard import full_state_dict, shard
 from graphcomp.compiler.guard_filter import guard_filter
 from graphcomp.runtime.whole_step import capture_step
+from graphcomp.train import TrainStep, train_step
 from graphcomp import runtime as _runtime  # noqa: F401 (attaches the CUDA-graph runtime to the session)
 from graphcomp.session import SESSION as _SESSION
 from graphcomp.compiler import backend as _backend_module
@@ -56,5 +57,5 @@ if _env.log_level():
     _log.setLevel(_env.log_level())
 _compat.graph_logger()  # registers the "graphcomp_graphs" artifact of torch._logging.set_logs
 
-__all__ = ["Config", "backend", "capture_step", "counters", "frame_summaries", "full_state_dict", "guard_filter", "optim", "reset", "shard",
+__all__ = ["Config", "backend", "capture_step", "counters", "frame_summaries", "full_state_dict", "guard_filter", "optim", "reset", "shard", "train_step", "TrainStep",
            "__version__"]

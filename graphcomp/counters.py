@@ -182,6 +182,11 @@ class Counters(Mapping):
     """Whole-step captures that raised (the step then runs uncaptured for good, or raises with 'require')."""
     step_capture_fallbacks: int = 0
     """Steps that run uncaptured for good (a failed capture, too many re-captures)."""
+    train_step_whole: int = 0
+    """``graphcomp.train_step`` steps that decided to capture the whole step as one CUDA graph."""
+    train_step_pieces: int = 0
+    """``graphcomp.train_step`` steps that decided to run as compiled pieces (the reason is logged
+    and in ``TrainStep.stats()``)."""
 
     # ----------------------------------------------------------- writing
     def add(self, name: str, n: int | float = 1) -> None:

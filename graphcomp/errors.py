@@ -25,16 +25,17 @@ class CaptureFailed(Exception):
 def failing_source(e: BaseException | None) -> str | None:
     """The innermost traceback frame of ``e`` outside torch's own files (the
     generated piece code or the op that raised), as ``file:line``. The warm-up's
-    collective stand-in (``_compat_collectives``, a dispatch mode every op of a
+    collective stand-in (``graphcomp._compat.collectives``, a dispatch mode every op of a
     warm-up or trial capture passes through) is skipped too: its frame would hide
     the piece's line that names the op."""
+    import os
     import traceback
 
     if e is None or e.__traceback__ is None:
         return None
     frames = traceback.extract_tb(e.__traceback__)
     for f in reversed(frames):
-        if f.filename.endswith("_compat_collectives.py"):
+        if f.filename.endswith(os.path.join("_compat", "collectives.py")):
             continue
         if "/torch/" not in f.filename or "torchinductor" in f.filename:
             return f"{f.filename}:{f.lineno} ({f.line.strip() if f.line else f.name})"
@@ -51,3 +52,10 @@ class RankDivergence(RuntimeError):
 class CollectiveVerifyError(RuntimeError):
     """A pass changed which parameters are gathered or which gradients are
     reduce-scattered (or their dtype or group): the message names the pass."""
+
+
+class OptimizerParamsError(ValueError):
+    """The optimizer given to ``graphcomp.train_step`` holds tensors that are not the
+    model's parameters (typically: built before ``graphcomp.shard(model)``, which
+    replaces every parameter with its shard): it would update tensors the model no
+    longer uses."""

@@ -1,13 +1,12 @@
 """Every private torch API graphcomp touches, in one place, with version checks.
 
-graphcomp runs on torch 2.11 (GPU machines) and 2.13 (CPU CI). When a private
-API moves, this is the only file to change. Everything else imports from here.
+graphcomp runs on torch 2.11 and 2.13. When a private API moves, this package is
+the only place to change. Everything else imports from here.
 
-(Longer than graphcomp's ~500-line guideline on purpose: the point of the module is
-that every private API sits in one file; it is a flat list of small adapters, each
-with its version notes, and imports nothing of graphcomp but its own topic parts,
-``_compat_<topic>.py``, re-exported here: ``_compat_remat`` (checkpoint tags, flops),
-``_compat_collectives`` (collectives recorded, not run, during a CUDA-graph warm-up).)
+This module is a flat list of small adapters, each with its version notes; it
+imports nothing of graphcomp but its own topic modules, re-exported here:
+``remat`` (checkpoint tags, flops), ``collectives`` (collectives recorded, not run,
+during a CUDA-graph warm-up) and ``gloo`` (gloo process groups).
 """
 
 from __future__ import annotations

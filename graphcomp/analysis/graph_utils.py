@@ -185,8 +185,9 @@ _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)\n(?:[ \t]+([^\n
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # graphcomp's own gather code (every gather's stack ends there): not the source
 _GATHER_FILES = frozenset(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-    for f in ("sharding.py", "shard_gather.py", "shard_layout.py", "gather_scope.py", "mesh_sharding.py", "_compat.py")
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), f)
+    for f in ("sharding/shard.py", "sharding/gather.py", "sharding/layout.py", "sharding/gather_scope.py",
+              "sharding/mesh.py", "_compat/__init__.py")
 )
 
 

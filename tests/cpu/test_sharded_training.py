@@ -60,7 +60,7 @@ def _train_sharded(rank, world, cfg):
 
         from graphcomp.compiler.plan import FramePlan
 
-        gc_backend = sys.modules["graphcomp.backend"]  # (the module: graphcomp.backend is the backend callable)
+        gc_backend = sys.modules["graphcomp.compiler.backend"]
 
         gc_backend.FramePlan = lambda: FramePlan(zero_copy_cpu_graphs=True)
         try:

@@ -105,7 +105,7 @@ def _train(rank: int, world: int, cfg: dict, steps: int, seed: int, prefetch_cpu
 
     import graphcomp
 
-    gc_backend = importlib.import_module("graphcomp.backend")  # the module (graphcomp.backend is the function)
+    gc_backend = importlib.import_module("graphcomp.compiler.backend")
     from graphcomp.models import Llama, synthetic_batch
     from graphcomp.compiler.plan import FramePlan
 
