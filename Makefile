@@ -6,17 +6,23 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo test test-gpu clean
 
-# torch: keep whatever torch >= 2.11 is already there (the GPU machines bring 2.11
-# with CUDA); otherwise install the pinned CPU build (a local file on these machines:
-# seconds, never the multi-GB CUDA wheels).
+# torch: a torch that is already installed is never replaced (the GPU machines bring
+# their own CUDA build); graphcomp needs >= 2.11 and stops with a message when the one
+# present is older. Without torch, the pinned CPU build is installed (constraints/cpu.txt).
 install:
-	@$(PY) -c "import torch, sys; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 11) else 1)" 2>/dev/null \
-	  || $(PY) -m pip install -q -c constraints/cpu.txt torch==2.13.0
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  $(PY) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); \
+	    sys.exit(0 if v >= (2, 11) else f'[install] torch {torch.__version__} is installed, graphcomp needs >= 2.11: upgrade it for your device (CUDA or CPU build); make install does not replace an installed torch')" \
+	  && $(PY) -c "import torch; print(f'[install] keeping the installed torch {torch.__version__} (CUDA {torch.version.cuda})')"; \
+	else \
+	  echo "[install] no torch found: installing the CPU build torch==2.13.0 (constraints/cpu.txt)"; \
+	  $(PY) -m pip install -q -c constraints/cpu.txt torch==2.13.0; \
+	fi
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@$(PY) -m pip install -q -c constraints/cpu.txt pytest pytest-timeout hypothesis numpy transformers
 	@$(PY) -m pip install -q -c constraints/cpu.txt pytest-xdist 2>/dev/null || echo "[install] pytest-xdist not installable here (offline?): make test runs in one process"
 	@$(PY) -m pip install -q -c constraints/cpu.txt depyf 2>/dev/null || echo "[install] depyf not installable here (offline?): tests/cpu/test_debug_tools.py skips its depyf test"
-	@$(PY) -c "import torch, graphcomp; print(f'[install] torch {torch.__version__}, graphcomp {graphcomp.__version__}')"
+	@$(PY) -c "import torch, graphcomp; print(f'[install] torch {torch.__version__}, graphcomp {graphcomp.__version__} (editable, from this checkout)')"
 
 demo: install
 	$(PY) -m graphcomp.tools.cli demo
