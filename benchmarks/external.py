@@ -2,11 +2,11 @@
 and DeepCompile. Written defensively: a package or API that is missing makes the
 system "not run" with the reason, never a crash of the whole benchmark.
 
-graphcomp contract (DESIGN.md)::
+graphcomp runs as its README teaches::
 
     graphcomp.shard(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = torch.compile(model, backend="graphcomp", options={...})
     opt = AdamW(model.parameters())          # built after shard()
+    step = graphcomp.train_step(model, opt, max_norm=1.0, options={...})
 """
 
 from __future__ import annotations
@@ -65,13 +65,6 @@ def graphcomp_passes() -> tuple[dict[str, bool] | None, str | None]:
                 default = True
         out[name] = bool(True if default is None else default)
     return out, None
-
-
-def make_enable_builder(pass_name: str):
-    def build(ctx: Ctx) -> Built:
-        return build_graphcomp(ctx, enable=pass_name)
-
-    return build
 
 
 def ablation_systems() -> tuple[list[str], str | None]:
@@ -133,44 +126,113 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = None,
-                    eager_optimizer: bool = False, whole_step: bool = False, options: dict | None = None,
-                    embedding: str | None = None, fold_clip: bool | str = "auto") -> Built:
-    """``eager_optimizer``: torch's eager clip + step (the ``graphcomp-eager_optimizer``
-    system) instead of graphcomp's captured step (``graphcomp``, on CUDA).
-    ``whole_step``: the ``graphcomp`` step (captured optimizer) through
-    ``graphcomp.capture_step``, one CUDA graph per step (``graphcomp-whole_step``).
-    ``options``: ``graphcomp.Config`` options over the defaults (a system that
-    measures one option, e.g. ``graphcomp-inductor_memory_reorder``).
-    ``embedding``: ``graphcomp.shard``'s ``embedding=`` (None: its default, ``"auto"``;
-    ``graphcomp-embedding_exchange``: ``"exchange"``; the table gather is the ablation
-    row ``graphcomp-no_embedding_exchange``).
-    ``fold_clip``: ``graphcomp.optim.capture(..., fold_clip=...)``: ``"auto"`` (the default: the
-    exact fold where the probe matches), ``True`` (``graphcomp-fold_clip``), ``False``
-    (``graphcomp-clip_apart``)."""
+# A graphcomp system is a named variant, not a function: the keys of a variant are
+#   options    graphcomp.Config fields (train_step's options=)
+#   shard      graphcomp.shard() keywords beyond param_dtype / reduce_dtype
+#   whole_step train_step's whole_step= (default "auto")
+#   step       "train_step" (default: graphcomp.train_step, the one entry point), or
+#              "manual": torch.compile(model) + a hand-written step whose update is
+#              graphcomp.optim.capture(fold_clip=...) or, with "optimizer": "eager",
+#              torch's eager clip_grad_norm_ + opt.step()
+#   needs      "cuda" or "no_tp": the variant does not run elsewhere (said as "not run")
+# graphcomp-no_<pass> / graphcomp-with_<pass> are generated; --variant NAME=JSON adds more.
+GRAPHCOMP_VARIANTS: dict[str, dict] = {
+    "graphcomp": {},
+    "graphcomp-pieces": {"whole_step": False},
+    "graphcomp-eager_optimizer": {"step": "manual", "optimizer": "eager"},
+    "graphcomp-fold_clip": {"step": "manual", "fold_clip": True, "needs": "cuda"},
+    "graphcomp-clip_apart": {"step": "manual", "fold_clip": False, "needs": "cuda"},
+    "graphcomp-exchange_fold_clip": {"step": "manual", "fold_clip": True, "shard": {"embedding": "exchange"},
+                                     "needs": "cuda"},
+    "graphcomp-remat_auto": {"options": {"remat": "auto"}},
+    "graphcomp-remat_auto-gather": {"options": {"remat": "auto"}, "shard": {"embedding": "gather"}},
+    "graphcomp-remat_auto-rs256": {"options": {"remat": "auto", "reduce_bucket_bytes": 256 * 2**20}},
+    "graphcomp-remat_auto-whole_graph": {"options": {"remat": "auto", "compile_regions": False}},
+    "graphcomp-bucket256": {"options": {"bucket_bytes": 256 * 2**20}},
+    "graphcomp-rs256": {"options": {"reduce_bucket_bytes": 256 * 2**20}},
+    "graphcomp-rs512": {"options": {"reduce_bucket_bytes": 512 * 2**20}},
+    "graphcomp-wire150": {"options": {"collective_bytes_per_s": 150e9}},
+    "graphcomp-compile_regions": {"options": {"compile_regions": True}},
+    "graphcomp-whole_graph": {"options": {"compile_regions": False}},
+    "graphcomp-fusion_inductor": {"options": {"inductor_fusion_search": "inductor"}},
+    "graphcomp-inductor_memory_reorder": {"options": {"inductor_memory_reorder": True}},
+    "graphcomp-except_last": {"options": {"reshard_after_forward": "except_last"}},
+    "graphcomp-keep_params": {"options": {"reshard_after_forward": False}},
+    "graphcomp-reshard_all": {"options": {"reshard_after_forward": True}},
+    "graphcomp-guard_filter": {"options": {"guard_filter_fn": "graphcomp.guard_filter"}},
+    "graphcomp-embedding_exchange": {"shard": {"embedding": "exchange"}},
+    "graphcomp-exchange_keep": {"shard": {"embedding": "exchange"}, "options": {"reshard_after_forward": False}},
+    "graphcomp-flat_buckets": {"options": {"passes": {"zero_copy_buckets": False}}},
+}
+_VARIANT_KEYS = {"options", "shard", "whole_step", "step", "optimizer", "fold_clip", "needs"}
+_INTERNAL_KEYS = {"_pass"}  # (pass_variant: the pass and its switch, checked against the registry)
+
+
+def check_variant(name: str, v: dict) -> dict:
+    """A variant's keys and values, checked (a typo is an error naming the valid keys)."""
+    if not isinstance(v, dict):
+        raise ValueError(f"graphcomp variant {name!r}: expected a JSON object, got {type(v).__name__}")
+    bad = sorted(set(v) - _VARIANT_KEYS - _INTERNAL_KEYS)
+    if bad:
+        raise ValueError(f"graphcomp variant {name!r}: unknown key(s) {bad}; valid: {sorted(_VARIANT_KEYS)}")
+    if v.get("step", "train_step") not in ("train_step", "manual"):
+        raise ValueError(f"graphcomp variant {name!r}: step={v['step']!r}; valid: 'train_step', 'manual'")
+    if v.get("needs") not in (None, "cuda", "no_tp"):
+        raise ValueError(f"graphcomp variant {name!r}: needs={v['needs']!r}; valid: 'cuda', 'no_tp'")
+    return v
+
+
+def variant_builder(name: str, variant: dict):
+    variant = check_variant(name, variant)
+
+    def build(ctx: Ctx) -> Built:
+        return build_graphcomp(ctx, variant)
+
+    build.__doc__ = f"graphcomp variant {name}: {variant}"
+    return build
+
+
+def pass_variant(name: str) -> dict | None:
+    """``graphcomp-no_<pass>`` (a pass on by default, switched off) and
+    ``graphcomp-with_<pass>`` (a pass off by default, switched on); None for other names."""
+    for prefix, on in ((ABLATION_PREFIX, False), (ENABLE_PREFIX, True)):
+        if name.startswith(prefix):
+            return {"options": {"passes": {name[len(prefix):]: on}}, "_pass": (name[len(prefix):], on)}
+    return None
+
+
+def _resolve_options(graphcomp, options: dict) -> dict:
+    out = dict(options)
+    if out.get("guard_filter_fn") == "graphcomp.guard_filter":
+        out["guard_filter_fn"] = graphcomp.guard_filter
+    return out
+
+
+def build_graphcomp(ctx: Ctx, variant: dict | None = None) -> Built:
+    """graphcomp as a user runs it: ``graphcomp.shard`` (more than one rank), then
+    ``graphcomp.train_step`` with the variant's options (see ``GRAPHCOMP_VARIANTS``).
+    One rank: BENCHMARKS.md's 1-GPU target is graphcomp (no sharding) against plain
+    Inductor, so the model is not sharded and the forward runs under bf16 autocast, as
+    the inductor system's."""
     graphcomp = _import_graphcomp()
-    options = dict(options or {})
-    if enable is not None:  # graphcomp-with_<pass>: a pass that is off by default, switched on
+    v = dict(variant or {})
+    pass_check = v.pop("_pass", None)
+    if pass_check is not None:
         passes, reason = graphcomp_passes()
         if passes is None:
             raise NotRun(reason)
-        if enable not in passes:
-            raise NotRun(f"unknown graphcomp pass {enable!r}; registered: {sorted(passes)}")
-        options["passes"] = {enable: True}
-    if disable is not None:
-        passes, reason = graphcomp_passes()
-        if passes is None:
-            raise NotRun(reason)
-        if disable not in passes:
-            raise NotRun(f"unknown graphcomp pass {disable!r}; registered: {sorted(passes)}")
-        if not passes[disable]:
-            raise NotRun(f"pass {disable!r} is off by default: nothing to ablate")
-        options["passes"] = {disable: False}
-    backend, backend_desc = _resolve_backend(graphcomp)
+        pname, on = pass_check
+        if pname not in passes:
+            raise NotRun(f"unknown graphcomp pass {pname!r}; registered: {sorted(passes)}")
+        if passes[pname] == on:
+            raise NotRun(f"pass {pname!r} is {'on' if on else 'off'} by default: the variant measures the default")
+    if v.get("needs") == "cuda" and ctx.device.type != "cuda":
+        raise NotRun("this variant measures an option of the captured optimizer step (CUDA only)")
+    shard_kw = dict(v.get("shard") or {})
+    if ctx.tp > 1 and (shard_kw or v.get("needs") == "no_tp"):
+        raise NotRun(f"shard({shard_kw}) applies to 1-D sharding only (--tp 1)")
+    options = _resolve_options(graphcomp, v.get("options") or {})
     model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
-    # One rank: BENCHMARKS.md's 1-GPU target is "graphcomp (no sharding)" vs plain
-    # Inductor, so the model is not sharded and the step is the inductor system's
-    # (autocast bf16): the two differ only in the backend.
     sharded = ctx.world > 1
     tp_cfg: dict = {}
     if ctx.tp > 1:  # the same TP plan as fsdp2 + TP, then graphcomp shards over dp (2-D DTensors)
@@ -178,30 +240,24 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
         tp_cfg = apply_tp(model, mesh)
         graphcomp.shard(model, mesh=mesh, dp_dim="dp", param_dtype=BF16, reduce_dtype=torch.float32)
     elif sharded:
-        try:
-            kw = {} if embedding is None else {"embedding": embedding}
-            graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32, **kw)
-        except (AttributeError, ImportError) as e:
-            raise NotRun(f"graphcomp.shard() not usable yet: {type(e).__name__}: {e}") from None
+        graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32, **shard_kw)
     if ctx.memory_cap_bytes is not None:
         # --memory-cap: graphcomp plans (remat, reshard, prefetch) under the cap less what
         # lives outside its graphs: AdamW's two moments, the size of the fp32 shards (an
         # explicit budget is used as given; only the default budget reserves this itself)
         moments = 2 * sum(_local(p).numel() * p.element_size() for p in model.parameters())
         options["memory_budget"] = ctx.memory_cap_bytes - moments
-    compiled = torch.compile(model, backend=backend, options=options)
     opt, ocfg = make_optimizer(model.parameters(), ctx.device)
-    cfg = {
-        **_common_config(ctx), **ocfg, **tp_cfg,
-        "compile": f"torch.compile(model, {backend_desc}, options={options})",
-        "graphcomp_version": getattr(graphcomp, "__version__", None),
-    }
+    shown = {**(v.get("options") or {}), **({"memory_budget": options["memory_budget"]}
+                                             if "memory_budget" in options else {})}
+    cfg = {**_common_config(ctx), **ocfg, **tp_cfg, "graphcomp_variant": {k: x for k, x in v.items()},
+           "graphcomp_version": getattr(graphcomp, "__version__", None)}
     if sharded:
         cfg.update({
             "wrapping": ("graphcomp.shard(model, mesh=mesh, dp_dim='dp', param_dtype=bf16, reduce_dtype=fp32) "
-                         "after the TP plan, then torch.compile" if ctx.tp > 1 else
+                         "after the TP plan" if ctx.tp > 1 else
                          f"graphcomp.shard(model, param_dtype=bf16, reduce_dtype=fp32"
-                         f"{'' if embedding is None else f', embedding={embedding!r}'}), then torch.compile"),
+                         f"{''.join(f', {k}={x!r}' for k, x in shard_kw.items())})"),
             "mixed_precision": "param_dtype=bf16 (gathered weights bf16), reduce_dtype=fp32; no autocast",
             "compute": workloads.compute_note(ctx.workload),
             "master_weights": "fp32 shards (optimizer built on model.parameters() after shard)",
@@ -214,12 +270,36 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
             "master_weights": "fp32",
         })
 
-    def teardown() -> None:
-        reset = getattr(graphcomp, "reset", None)
-        if callable(reset):
-            reset()
-
     window: dict[str, dict] = {}
+    captured = whole = tstep = None
+    if v.get("step", "train_step") == "train_step" and ctx.tp == 1:
+        tstep = graphcomp.train_step(model, opt, max_norm=CLIP, autocast=None if sharded else BF16, options=options,
+                                     whole_step=v.get("whole_step", "auto"))
+        step = tstep
+        cfg["compile"] = f"graphcomp.train_step(model, opt, max_norm={CLIP}, options={shown}" + (
+            "" if sharded else ", autocast=bf16") + (
+            f", whole_step={v['whole_step']!r})" if "whole_step" in v else ")")
+        cfg["optimizer_step"] = ("graphcomp.train_step: clip + step through graphcomp.optim.capture; the whole step "
+                                 "one CUDA graph from the third call where train_step finds it safe")
+    else:
+        backend, backend_desc = _resolve_backend(graphcomp)
+        compiled = torch.compile(model, backend=backend, options=options)
+        cfg["compile"] = f"torch.compile(model, {backend_desc}, options={shown})"
+        if ctx.tp > 1:
+            step = tp_step(compiled, opt)
+            cfg["optimizer_step"] = "eager clip_grad_norm_ + opt.step() (tensor parallel: loss_parallel step)"
+        elif v.get("optimizer") == "eager":
+            step = standard_step(compiled, opt, ctx.device, autocast=not sharded)
+            cfg["optimizer_step"] = "eager clip_grad_norm_ + opt.step(), zero_grad(set_to_none=True)"
+        else:
+            fold_clip = v.get("fold_clip", "auto")
+            captured = graphcomp.optim.capture(opt, max_norm=CLIP, fold_clip=fold_clip)
+            step = standard_step(compiled, opt, ctx.device, autocast=not sharded, update=captured)
+            cfg["optimizer_step"] = (f"graphcomp.optim.capture(opt, max_norm={CLIP}, fold_clip={fold_clip!r}), "
+                                     "zero_grad(set_to_none=True)")
+
+    def teardown() -> None:
+        graphcomp.reset()
 
     def on_window(phase: str) -> None:
         window[phase] = _counters(graphcomp)
@@ -229,51 +309,20 @@ def build_graphcomp(ctx: Ctx, disable: str | None = None, enable: str | None = N
                "cuda_graphs_possible": ctx.device.type == "cuda"}
         if "start" in window and "end" in window:
             out["counters_measured"] = counters_delta(window["start"], window["end"])
-        return out
-
-    capture = getattr(getattr(graphcomp, "optim", None), "capture", None)
-    captured = None  # graphcomp.optim.capture's step, when the system uses it
-    if ctx.tp > 1:
-        step = tp_step(compiled, opt)
-        cfg["optimizer_step"] = "eager clip_grad_norm_ + opt.step() (tensor parallel: captured step not measured)"
-    elif eager_optimizer or capture is None:
-        step = standard_step(compiled, opt, ctx.device, autocast=not sharded)
-        cfg["optimizer_step"] = "eager clip_grad_norm_ + opt.step(), zero_grad(set_to_none=True)"
-    else:
-        # the captured backward writes the next gradients to the same pool memory, where the
-        # captured step reads them, as long as zero_grad sets them to None (set_to_none=False
-        # keeps param.grad: autograd adds into it and the runner copies every gradient out of
-        # the pool per step; measured on W1, 1 GPU: 536 MB per step, +1.46 GiB peak)
-        captured = capture(opt, max_norm=CLIP, fold_clip=fold_clip)
-        step = standard_step(compiled, opt, ctx.device, autocast=not sharded, update=captured)
-        cfg["optimizer_step"] = (f"graphcomp.optim.capture(opt, max_norm={CLIP}, fold_clip={fold_clip!r}) "
-                                 "(clip + step as one CUDA graph; torch's eager clip + step without CUDA), "
-                                 "zero_grad(set_to_none=True)")
-    whole = None  # graphcomp.capture_step's step, when the system uses it
-    if whole_step:
-        capture_step = getattr(graphcomp, "capture_step", None)
-        if capture_step is None or captured is None:
-            raise NotRun("graphcomp.capture_step needs this graphcomp's capture_step and the captured optimizer "
-                         "(one rank or more, no --tp)")
-        whole = capture_step(step, params=[p for p in model.parameters() if p.requires_grad], optimizers=[captured])
-        step = whole
-        cfg["optimizer_step"] += "; the whole step (forward, backward, clip + step, zero_grad) through " \
-                                 "graphcomp.capture_step (one CUDA graph per step after 2 warm-up steps)"
-    base_stats = stats
-
-    def stats() -> dict:  # noqa: F811 - adds the captured step's own record
-        out = base_stats()
-        if captured is not None:
-            captured.sync_counters()
-            record = captured.stats()
+        opt_step = captured if captured is not None else (tstep.update if tstep is not None else None)
+        if opt_step is not None:
+            opt_step.sync_counters()
+            record = opt_step.stats()
             out["optimizer"] = {**record, "decisions": record["decisions"][-3:]}
-        if whole is not None:
-            record = whole.stats()
-            out["whole_step"] = {**record, "decisions": record["decisions"][-3:]}
+        if tstep is not None:
+            out["train_step"] = {"whole_step": tstep.whole_step_reason}
+            w = tstep.stats().get("whole_step_capture")
+            if w is not None:
+                out["whole_step"] = {**w, "decisions": w["decisions"][-3:]}
         return out
 
-    return Built(step=step, config=cfg, compiles=True,
-                 keep=[compiled, model, opt], teardown=teardown, stats=stats, on_window=on_window)
+    return Built(step=step, config=cfg, compiles=True, keep=[model, opt, tstep], teardown=teardown, stats=stats,
+                 on_window=on_window)
 
 
 def counters_delta(start: dict, end: dict) -> dict:
@@ -319,186 +368,6 @@ def memory_estimate(opt: torch.optim.Optimizer, codegen: str = "inductor") -> di
     return out
 
 
-def build_graphcomp_eager_optimizer(ctx: Ctx) -> Built:
-    return build_graphcomp(ctx, eager_optimizer=True)
-
-
-def build_graphcomp_whole_step(ctx: Ctx) -> Built:
-    return build_graphcomp(ctx, whole_step=True)
-
-
-def build_graphcomp_except_last(ctx: Ctx) -> Built:
-    """graphcomp with ``reshard_after_forward="except_last"``: the gather the backward
-    reads first (the last block's) is kept from the forward instead of re-gathered."""
-    return build_graphcomp(ctx, options={"reshard_after_forward": "except_last"})
-
-
-def build_graphcomp_inductor_memory_reorder(ctx: Ctx) -> Built:
-    """graphcomp with Inductor's reorder_for_peak_memory allowed on its scheduled
-    graphs (``Config.inductor_memory_reorder=True``; the default keeps graphcomp's order)."""
-    return build_graphcomp(ctx, options={"inductor_memory_reorder": True})
-
-
-def build_graphcomp_embedding_exchange(ctx: Ctx) -> Built:
-    """graphcomp with ``shard(model, embedding="exchange")``: the input embedding's
-    compiled lookups exchange tokens and rows instead of gathering the table."""
-    if ctx.tp > 1:
-        raise NotRun("embedding='exchange' applies to 1-D sharding only (--tp 1)")
-    return build_graphcomp(ctx, embedding="exchange")
-
-
-def _with_fold_clip(ctx: Ctx, fold_clip: bool) -> Built:
-    """graphcomp with ``graphcomp.optim.capture(..., fold_clip=fold_clip)``: an option of
-    the captured optimizer, which only CUDA runs without ``--tp`` use."""
-    if ctx.device.type != "cuda":
-        raise NotRun("fold_clip is an option of the captured optimizer (CUDA)")
-    if ctx.tp > 1:
-        raise NotRun("fold_clip is an option of the captured optimizer, which --tp runs do not use")
-    return build_graphcomp(ctx, fold_clip=fold_clip)
-
-
-def build_graphcomp_fold_clip(ctx: Ctx) -> Built:
-    """graphcomp with ``graphcomp.optim.capture(opt, max_norm=..., fold_clip=True)``: the
-    clip coefficient applied inside fused AdamW (its grad_scale), no separate pass
-    multiplying every gradient."""
-    return _with_fold_clip(ctx, True)
-
-
-def build_graphcomp_clip_apart(ctx: Ctx) -> Built:
-    """graphcomp with ``graphcomp.optim.capture(opt, max_norm=..., fold_clip=False)``: the
-    clip as its own pass over the gradients (the ablation row of the exact clip fold,
-    ``fold_clip="auto"``)."""
-    return _with_fold_clip(ctx, False)
-
-
-def build_graphcomp_exchange_fold_clip(ctx: Ctx) -> Built:
-    """``graphcomp-embedding_exchange`` and ``graphcomp-fold_clip`` together: the two
-    opt-in step-time options of a language model on 1-D sharding."""
-    if ctx.device.type != "cuda":
-        raise NotRun("fold_clip needs the captured optimizer's fused AdamW (CUDA)")
-    if ctx.tp > 1:
-        raise NotRun("embedding='exchange' and fold_clip apply to 1-D sharding only (--tp 1)")
-    return build_graphcomp(ctx, embedding="exchange", fold_clip=True)
-
-
-def build_graphcomp_guard_filter(ctx: Ctx) -> Built:
-    """graphcomp with ``options={"guard_filter_fn": graphcomp.guard_filter}``: Dynamo's
-    per-call spec guards on the sharded parameters dropped (host time per call)."""
-    return build_graphcomp(ctx, options={"guard_filter_fn": _import_graphcomp().guard_filter})
-
-
-def build_graphcomp_keep_params(ctx: Ctx) -> Built:
-    """graphcomp with ``reshard_after_forward=False``: every gathered parameter is kept
-    from the forward to the backward (no re-gather, no second cast and unpack), the
-    memory-for-speed end of ``schedule_free``."""
-    return build_graphcomp(ctx, options={"reshard_after_forward": False})
-
-
-def build_graphcomp_reshard_all(ctx: Ctx) -> Built:
-    """graphcomp with ``reshard_after_forward=True`` (the default before 2026-11-26's
-    "auto"): every gathered parameter resharded after the forward, least memory."""
-    return build_graphcomp(ctx, options={"reshard_after_forward": True})
-
-
-def build_graphcomp_exchange_keep(ctx: Ctx) -> Built:
-    """``graphcomp-embedding_exchange`` and ``graphcomp-keep_params`` together."""
-    if ctx.tp > 1:
-        raise NotRun("embedding='exchange' applies to 1-D sharding only (--tp 1)")
-    return build_graphcomp(ctx, embedding="exchange", options={"reshard_after_forward": False})
-
-
-def build_graphcomp_remat_auto(ctx: Ctx) -> Built:
-    """graphcomp with ``remat="auto"``: the user's activation checkpointing (W3's per
-    block) is a candidate, not an order; under the memory budget graphcomp saves
-    the activations that fit (before keeping gathered parameters) and recomputes
-    the rest."""
-    return build_graphcomp(ctx, options={"remat": "auto"})
-
-
-def build_graphcomp_remat_auto_gather(ctx: Ctx) -> Built:
-    """``graphcomp-remat_auto`` with the input embedding's table gathered
-    (``shard(..., embedding="gather")``): the table-gather row for workloads that run
-    ``remat="auto"`` (W3), as ``graphcomp-no_embedding_exchange`` is for the defaults."""
-    if ctx.tp > 1:
-        raise NotRun("embedding= applies to 1-D sharding only (--tp 1)")
-    return build_graphcomp(ctx, options={"remat": "auto"}, embedding="gather")
-
-
-def build_graphcomp_bucket256(ctx: Ctx) -> Built:
-    """graphcomp with ``bucket_bytes`` at 256 MiB (default 64): fewer, larger buckets.
-    On W2 the default cuts each block's fp32 gradients (about 360 MB) into four or five
-    reduce-scatters, 67 per step against fsdp2_compile's 17, and they took 1.3x its
-    reduce-scatter time (2 H200s, fourteenth session's traces)."""
-    return build_graphcomp(ctx, options={"bucket_bytes": 256 * 2**20})
-
-
-def build_graphcomp_wire150(ctx: Ctx) -> Built:
-    """graphcomp with ``collective_bytes_per_s`` at 150e9 (default 250e9):
-    ``defer_weight_grads`` models the wire slower and moves more weight-gradient
-    compute behind the last reduce-scatter."""
-    return build_graphcomp(ctx, options={"collective_bytes_per_s": 150e9})
-
-
-def build_graphcomp_rs256(ctx: Ctx) -> Built:
-    """graphcomp with ``reduce_bucket_bytes`` at 256 MiB: the gathers keep the default
-    64 MiB buckets, the gradient reduce-scatters are packed into up to 256 MiB."""
-    return build_graphcomp(ctx, options={"reduce_bucket_bytes": 256 * 2**20})
-
-
-def build_graphcomp_rs512(ctx: Ctx) -> Built:
-    """graphcomp with ``reduce_bucket_bytes`` at 512 MiB (gathers at the default 64 MiB):
-    about one reduce-scatter per block of W2 and more."""
-    return build_graphcomp(ctx, options={"reduce_bucket_bytes": 512 * 2**20})
-
-
-def build_graphcomp_remat_auto_rs256(ctx: Ctx) -> Built:
-    """``graphcomp-remat_auto`` with ``reduce_bucket_bytes`` at 256 MiB (W3: a block's fp32
-    gradients, about 870 MB, go in 4 reduce-scatters instead of 14)."""
-    return build_graphcomp(ctx, options={"remat": "auto", "reduce_bucket_bytes": 256 * 2**20})
-
-
-def build_graphcomp_compile_regions(ctx: Ctx) -> Built:
-    """graphcomp with ``compile_regions=True``: the forward and backward graphs cut
-    into regions (one per block in a sharded transformer) and each distinct region
-    compiled once (cold compile of deep models)."""
-    return build_graphcomp(ctx, options={"compile_regions": True})
-
-
-def build_graphcomp_whole_graph(ctx: Ctx) -> Built:
-    """graphcomp with ``compile_regions=False``: every stage graph compiled whole, as
-    before ``"auto"`` became the default (the A/B of regional compilation on deep
-    models, where ``"auto"`` cuts regions)."""
-    return build_graphcomp(ctx, options={"compile_regions": False})
-
-
-def build_graphcomp_remat_auto_whole_graph(ctx: Ctx) -> Built:
-    """``graphcomp-remat_auto`` with every graph compiled whole (``compile_regions=False``):
-    W3's fastest configuration as measured before regions became the default."""
-    return build_graphcomp(ctx, options={"remat": "auto", "compile_regions": False})
-
-
-def build_graphcomp_fusion_inductor(ctx: Ctx) -> Built:
-    """graphcomp with ``inductor_fusion_search="inductor"``: Inductor's own fusion
-    search (pairs with the next 64 readers of a buffer, loop reordering on) instead
-    of graphcomp's default "fast" one (the A/B of that option: cold compile, step)."""
-    return build_graphcomp(ctx, options={"inductor_fusion_search": "inductor"})
-
-
-def build_graphcomp_whole_step_flat_buckets(ctx: Ctx) -> Built:
-    """``graphcomp-whole_step`` with ``zero_copy_buckets`` off: its buckets gathered
-    into one flat buffer and copied out, gradients packed into one (W1's A/B of that
-    pass, whose default row is host-bound)."""
-    return build_graphcomp(ctx, whole_step=True, disable="zero_copy_buckets")
-
-
-def make_ablation_builder(pass_name: str):
-    def build(ctx: Ctx) -> Built:
-        return build_graphcomp(ctx, disable=pass_name)
-
-    return build
-
-
-# --------------------------------------------------------------------------- DeepSpeed
 def deepspeed_config(ctx: Ctx, deepcompile: bool) -> dict:
     """The exact DeepSpeed config (also printed in benchmarks/README.md). ZeRO-3 values
     are DeepSpeed's documented defaults, spelled out; overlap_comm on."""
@@ -591,31 +460,7 @@ def build_deepcompile(ctx: Ctx) -> Built:
 
 
 EXTERNAL_BUILDERS = {
-    "graphcomp": build_graphcomp,
-    "graphcomp-eager_optimizer": build_graphcomp_eager_optimizer,
-    "graphcomp-remat_auto": build_graphcomp_remat_auto,
-    "graphcomp-bucket256": build_graphcomp_bucket256,
-    "graphcomp-rs256": build_graphcomp_rs256,
-    "graphcomp-wire150": build_graphcomp_wire150,
-    "graphcomp-rs512": build_graphcomp_rs512,
-    "graphcomp-remat_auto-rs256": build_graphcomp_remat_auto_rs256,
-    "graphcomp-remat_auto-gather": build_graphcomp_remat_auto_gather,
-    "graphcomp-compile_regions": build_graphcomp_compile_regions,
-    "graphcomp-whole_graph": build_graphcomp_whole_graph,
-    "graphcomp-remat_auto-whole_graph": build_graphcomp_remat_auto_whole_graph,
-    "graphcomp-fusion_inductor": build_graphcomp_fusion_inductor,
-    "graphcomp-whole_step": build_graphcomp_whole_step,
-    "graphcomp-whole_step-flat_buckets": build_graphcomp_whole_step_flat_buckets,
-    "graphcomp-inductor_memory_reorder": build_graphcomp_inductor_memory_reorder,
-    "graphcomp-except_last": build_graphcomp_except_last,
-    "graphcomp-embedding_exchange": build_graphcomp_embedding_exchange,
-    "graphcomp-fold_clip": build_graphcomp_fold_clip,
-    "graphcomp-clip_apart": build_graphcomp_clip_apart,
-    "graphcomp-exchange_fold_clip": build_graphcomp_exchange_fold_clip,
-    "graphcomp-guard_filter": build_graphcomp_guard_filter,
-    "graphcomp-keep_params": build_graphcomp_keep_params,
-    "graphcomp-reshard_all": build_graphcomp_reshard_all,
-    "graphcomp-exchange_keep": build_graphcomp_exchange_keep,
+    **{name: variant_builder(name, v) for name, v in GRAPHCOMP_VARIANTS.items()},
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,
 }

@@ -83,7 +83,7 @@ n_workloads() {
 default_systems() {
   case "$1:$2" in
     W1:1) echo "graphcomp,inductor" ;;
-    W1:2) echo "graphcomp,graphcomp-whole_step,fsdp2_compile,fsdp2,ddp_compile,simplefsdp,graph_trainer,deepspeed_z3,deepcompile" ;;
+    W1:2) echo "graphcomp,graphcomp-pieces,fsdp2_compile,fsdp2,ddp_compile,simplefsdp,graph_trainer,deepspeed_z3,deepcompile" ;;
     W2:2) echo "graphcomp,fsdp2_compile,ddp_compile,simplefsdp,graph_trainer,deepcompile" ;;
     W3:*|W3c:*) echo "graphcomp,fsdp2_compile,fsdp2_compile-noac" ;;  # BENCHMARKS.md: fsdp2_compile with and without checkpointing
     hf-*:1) echo "graphcomp,inductor" ;;

@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 from . import measure, report, workloads  # noqa: E402
 from .external import (  # noqa: E402
-    ABLATION_PREFIX, ENABLE_PREFIX, EXTERNAL_BUILDERS, ablation_systems, make_ablation_builder, make_enable_builder,
+    ABLATION_PREFIX, ENABLE_PREFIX, EXTERNAL_BUILDERS, ablation_systems, pass_variant, variant_builder,
 )
 from .systems import BUILDERS, Ctx, NotRun  # noqa: E402
 from .torchtitan_systems import TORCHTITAN_BUILDERS  # noqa: E402
@@ -55,6 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma list from {sorted(ALL_BUILDERS)}, '{ABLATION_PREFIX}<pass>', '{ENABLE_PREFIX}<pass>', "
                         "'graphcomp-ablation' (every default-on pass off in turn) or 'all'")
     p.add_argument("--ablation", action="store_true", help="append graphcomp-ablation to --systems")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="define a graphcomp system NAME (use it in --systems) from a JSON variant, e.g. "
+                        "'graphcomp-mine={\"options\": {\"remat\": \"auto\"}}' (keys: see GRAPHCOMP_VARIANTS "
+                        "in benchmarks/external.py); repeatable")
     p.add_argument("--warmup", type=int, help="steps before the measured window (workload default)")
     p.add_argument("--steps", type=int, help="measured steps (workload default)")
     p.add_argument("--batch", type=int, help="micro-batch per rank (workload default)")
@@ -135,6 +139,26 @@ def _with_checkpointing(builder, on: bool):
     return build
 
 
+def add_variant(spec: str) -> str:
+    """``NAME=JSON`` from ``--variant``: a graphcomp system named NAME; returns NAME."""
+    import json
+
+    from .external import check_variant
+
+    name, sep, text = spec.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise SystemExit(f"--variant {spec!r}: expected NAME=JSON, e.g. 'graphcomp-mine={{\"options\": {{}}}}'")
+    if name in ALL_BUILDERS:
+        raise SystemExit(f"--variant {name!r}: a system of that name exists already; pick another name")
+    try:
+        variant = check_variant(name, json.loads(text))
+    except (json.JSONDecodeError, ValueError) as e:
+        raise SystemExit(f"--variant {spec!r}: {e}") from None
+    ALL_BUILDERS[name] = variant_builder(name, variant)
+    return name
+
+
 def expand_systems(spec: str, ablation: bool) -> list[tuple[str, object]]:
     """[(name, builder | NotRun)] in run order (DeepSpeed systems last)."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
@@ -161,11 +185,9 @@ def expand_systems(spec: str, ablation: bool) -> list[tuple[str, object]]:
                 out.append((n, NotRun(f"ablation needs the pass list: {reason}")))
             elif not abl:
                 out.append((n, NotRun("graphcomp registers no pass that is on by default: nothing to ablate")))
-            out += [(a, make_ablation_builder(a[len(ABLATION_PREFIX):])) for a in abl]
-        elif n.startswith(ABLATION_PREFIX):
-            out.append((n, make_ablation_builder(n[len(ABLATION_PREFIX):])))
-        elif n.startswith(ENABLE_PREFIX):
-            out.append((n, make_enable_builder(n[len(ENABLE_PREFIX):])))
+            out += [(a, variant_builder(a, pass_variant(a))) for a in abl]
+        elif pass_variant(n) is not None:
+            out.append((n, variant_builder(n, pass_variant(n))))
         elif n in ALL_BUILDERS:
             out.append((n, ALL_BUILDERS[n]))
         else:
@@ -483,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp > 1 and any(w.family is not None for w in ws):
         raise SystemExit("benchmarks.run: --tp runs graphcomp's Llama workloads (W1, W2, W3, smoke-tp); the hf-* "
                          "workloads have no tensor-parallel plan in the harness")
+    for spec in args.variant:
+        add_variant(spec)
     systems = expand_systems(args.systems, args.ablation)
     if args.memory_cap is not None and (args.memory_cap <= 0 or args.cpu or not torch.cuda.is_available()):
         raise SystemExit(f"benchmarks.run: --memory-cap {args.memory_cap}: needs a CUDA device and a positive "

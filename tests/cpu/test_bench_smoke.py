@@ -120,9 +120,10 @@ def test_smoke_graphcomp_runs_or_says_why(smoke):
     if g["status"] == "ok":
         assert _num(g["metrics"]["tokens_per_s_per_gpu"])
         assert _num(g["metrics"]["host_ms_per_step_median"]) and g["metrics"]["host_ms_per_step_median"] > 0
-        # the graphcomp system steps through graphcomp.optim.capture (eager on a CPU: torch's own step)
-        assert g["config"]["optimizer_step"].startswith("graphcomp.optim.capture"), g["config"]
+        # the graphcomp system is graphcomp.train_step (its optimizer step eager on a CPU: torch's own)
+        assert g["config"]["compile"].startswith("graphcomp.train_step("), g["config"]
         assert g["stats"]["optimizer"]["mode"] == "reference", g["stats"]["optimizer"]
+        assert g["stats"]["train_step"]["whole_step"] == "no CUDA device", g["stats"]
 
 
 @pytest.mark.slow
@@ -208,6 +209,29 @@ def test_expand_systems_order_and_errors():
         "graphcomp", "graphcomp-eager_optimizer"]
     abl = [n for n, _ in expand_systems("graphcomp-no_nonexistent_pass", False)]
     assert abl == ["graphcomp-no_nonexistent_pass"]
+
+
+def test_variants_are_data_and_checked():
+    """A graphcomp system is a named variant (options, shard keywords, step kind):
+    --variant NAME=JSON adds one; a typo in a key or a bad value names the valid ones."""
+    from benchmarks import external
+    from benchmarks.run import ALL_BUILDERS, add_variant, expand_systems
+
+    for name, v in external.GRAPHCOMP_VARIANTS.items():
+        external.check_variant(name, v)
+    name = add_variant('graphcomp-test_variant={"options": {"remat": "auto"}}')
+    try:
+        assert [n for n, _ in expand_systems(name, False)] == [name]
+    finally:
+        ALL_BUILDERS.pop(name, None)
+    with pytest.raises(SystemExit, match=r"unknown key\(s\) \['option'\]; valid: \['fold_clip'"):
+        add_variant('graphcomp-typo={"option": {}}')
+    with pytest.raises(SystemExit, match="expected NAME=JSON"):
+        add_variant("graphcomp-nojson")
+    with pytest.raises(SystemExit, match="step='fast'; valid: 'train_step', 'manual'"):
+        add_variant('graphcomp-badstep={"step": "fast"}')
+    assert external.pass_variant("graphcomp-no_remat") == {"options": {"passes": {"remat": False}},
+                                                           "_pass": ("remat", False)}
 
 
 def test_idle_union_and_deepspeed_config():
