@@ -1,8 +1,8 @@
 """``graphcomp demo`` / ``make demo``: the main job, end to end.
 
 Trains the ``demo`` Llama (graphcomp/models.py) for a few steps with
-``graphcomp.shard`` + ``torch.compile(backend="graphcomp")`` on 2 ranks: NCCL on
-GPUs when there are enough, else gloo on the CPU. Rank 0 prints the loss of every
+``graphcomp.shard`` + ``graphcomp.train_step`` (the README's loop) on 2 ranks: NCCL
+on GPUs when there are enough, else gloo on the CPU. Rank 0 prints the loss of every
 step, what each pass did (the ``graphcomp inspect`` table) and where the dumps are.
 
     python -m graphcomp.tools.cli demo                 # launches 2 ranks with torchrun
@@ -84,24 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     model = Llama(cfg).to(device)
     param_dtype = torch.bfloat16 if use_cuda else None
     graphcomp.shard(model, param_dtype=param_dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=use_cuda or None)
     options = {"codegen": args.codegen, "dump_dir": args.dump_dir}
-    cmodel = torch.compile(model, backend="graphcomp", options=options)
+    step_fn = graphcomp.train_step(model, opt, max_norm=1.0, options=options)
     per_rank = args.batch // world
     try:
         for step in range(args.steps):
             tokens, targets = synthetic_batch(cfg, args.batch, args.seq, seed=step, device=device)
             tokens, targets = tokens[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
             t0 = time.perf_counter()
-            loss = cmodel(tokens, targets)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            lval = loss.detach().clone()
+            lval = step_fn(tokens, targets)
             dist.all_reduce(lval)
-            say(f"[demo] step {step}: loss {lval.item() / world:.4f}  grad-norm {float(norm.full_tensor() if hasattr(norm, 'full_tensor') else norm):.3f}"
+            norm = step_fn.last_norm
+            say(f"[demo] step {step}: loss {lval.item() / world:.4f}  grad-norm {float(norm):.3f}"
                 f"  {time.perf_counter() - t0:.2f}s{'  (includes compile)' if step == 0 else ''}")
+        say(f"[demo] whole step as one CUDA graph: {step_fn.whole_step_reason}")
         say("\n[demo] what each pass did (rank 0; `graphcomp inspect " + args.dump_dir + "` shows the same):\n")
         say(format_summary({"rank": rank, "frames": graphcomp.frame_summaries()}))
         say(f"\n[demo] dumps: {args.dump_dir}/rank*/ (summary.json, frameNNN/<stage>/NN-<pass>.before/after.txt)")
