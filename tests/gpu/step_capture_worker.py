@@ -16,6 +16,10 @@ per step (it must stop moving once the whole step is captured), and host time pe
 step (perf_counter around the call, no sync: what the host spends) and step time
 (synchronized) of each run's last steps.
 
+``GC_STEP_CAPTURE_MODE=train_step`` replaces ``whole`` by ``graphcomp.train_step(m, opt,
+max_norm=1.0)`` at its defaults (the one entry point, which decides the whole-step
+capture itself after two steps); its ``stats()`` go to the JSON.
+
 ``GC_DETERMINISTIC=1`` (the test's default) runs with
 ``torch.use_deterministic_algorithms(True)``: Inductor then lowers the embedding's
 backward (an accumulating ``index_put``) to ATen's sorted kernel instead of atomic
@@ -57,7 +61,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def train(preset: str, whole: bool, rank: int, world: int, device: torch.device) -> dict:
+def train(preset: str, whole: bool | str, rank: int, world: int, device: torch.device) -> dict:
     torch._dynamo.reset()  # (else the second run reuses the first run's frame, whose runners teardown released)
     graphcomp.reset()
     torch.manual_seed(0)
@@ -66,17 +70,24 @@ def train(preset: str, whole: bool, rank: int, world: int, device: torch.device)
     if world > 1:
         graphcomp.shard(m, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    cstep = gopt.capture(opt, max_norm=1.0)
-    cm = torch.compile(m, backend="graphcomp")
+    if whole == "train_step":
+        ts = graphcomp.train_step(m, opt, max_norm=1.0)
+        cstep = ts.update
 
-    def train_step(tok, tgt):
-        loss = cm(tok, tgt)
-        loss.backward()
-        norm = cstep()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach(), norm
+        def run(tok, tgt):
+            return ts(tok, tgt), ts.last_norm
+    else:
+        cstep = gopt.capture(opt, max_norm=1.0)
+        cm = torch.compile(m, backend="graphcomp")
 
-    run = graphcomp.capture_step(train_step, params=m.parameters(), optimizers=[cstep]) if whole else train_step
+        def train_step(tok, tgt):
+            loss = cm(tok, tgt)
+            loss.backward()
+            norm = cstep()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach(), norm
+
+        run = graphcomp.capture_step(train_step, params=m.parameters(), optimizers=[cstep]) if whole else train_step
     seq = min(256, m.cfg.max_seq_len)
     batches = [synthetic_batch(m.cfg, 4, seq, seed=1000 * rank + i, device=device) for i in range(STEPS)]
     losses, norms, piece_replays, host_ms, step_ms = [], [], [], [], []
@@ -97,7 +108,8 @@ def train(preset: str, whole: bool, rank: int, world: int, device: torch.device)
     state = [_local(v).detach().clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     out = {"losses": losses, "norms": norms, "piece_replays": piece_replays, "counters": dict(graphcomp.counters),
            "host_ms_median": statistics.median(host_ms), "step_ms_median": statistics.median(step_ms),
-           "stats": run.stats() if whole else None, "optimizer": cstep.stats()["mode"]}
+           "stats": (ts.stats() if whole == "train_step" else run.stats()) if whole else None,
+           "optimizer": cstep.stats()["mode"]}
     graphcomp.runtime.teardown()
     return out, params, state
 
@@ -126,10 +138,11 @@ def main() -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     plain, p_params, p_state = train(preset, False, rank, world, device)
-    whole, w_params, w_state = train(preset, True, rank, world, device)
+    mode = os.environ.get("GC_STEP_CAPTURE_MODE", "whole")
+    whole, w_params, w_state = train(preset, "train_step" if mode == "train_step" else True, rank, world, device)
     res = {
         "rank": rank, "world": world, "preset": preset, "steps": STEPS, "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "plain": plain, "whole": whole,
+        "torch": torch.__version__, "mode": mode, "plain": plain, "whole": whole,
         "params_bitwise": all(torch.equal(a, b) for a, b in zip(w_params, p_params)),
         "state_bitwise": all(torch.equal(a, b) for a, b in zip(w_state, p_state)),
         "params_max_rel": _max_rel(w_params, p_params), "state_max_rel": _max_rel(w_state, p_state),

@@ -53,3 +53,35 @@ def test_whole_step_captured_matches_the_step_as_it_is(tmp_path, ngpu):
         }
         failed = [k for k, ok in checks.items() if not ok]
         assert not failed, (failed, {k: r[k] for k in r if k not in ("whole", "plain")}, w["stats"], c)
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_train_step_captures_the_whole_step_and_matches_the_pieces(tmp_path, ngpu, monkeypatch):
+    """``graphcomp.train_step`` at its defaults (the README's loop): after two steps it
+    captures the whole step as one graph by itself, and trains as the compiled pieces
+    with the captured optimizer do (the same worker's ``plain`` run)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < ngpu:
+        pytest.skip(f"needs {ngpu} GPU(s)")
+    monkeypatch.setenv("GC_STEP_CAPTURE_MODE", "train_step")
+    monkeypatch.setenv("GC_STEP_CAPTURE_HANG_DUMP", "200")
+    monkeypatch.setenv("GC_DETERMINISTIC", "1")
+    res = torchrun_results(WORKER, ["demo", str(tmp_path)], ngpu, tmp_path, stem="step_capture",
+                           keep=f"train_step_{ngpu}gpu", what="train_step", timeout=250, compile_threads=4)
+    for r in res:
+        w, p = r["whole"], r["plain"]
+        c = w["counters"]
+        steps = r["steps"]
+        checks = {
+            "train_step decided the whole step": w["stats"]["whole_step"].startswith("captured")
+                and c.get("train_step_whole") == 1,
+            # calls 1-2 run as pieces, call 3 is capture_step's warm-up, call 4 captures
+            "captured once, every later step replayed": c.get("step_captures") == 1
+                and c.get("step_replays") == steps - 3,
+            "no re-capture, no fallback": c.get("step_recaptures", 0) == 0 and c.get("step_capture_fallbacks", 0) == 0
+                and c.get("step_capture_failures", 0) == 0 and c.get("cudagraph_fallbacks", 0) == 0,
+            "parameters match the pieces": r["params_max_rel"] <= 1e-6,
+            "optimizer state matches": r["state_max_rel"] <= 1e-6,
+            "losses match": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(w["losses"], p["losses"])) <= 1e-6,
+        }
+        failed = [k for k, ok in checks.items() if not ok]
+        assert not failed, (failed, {k: r[k] for k in r if k not in ("whole", "plain")}, w["stats"], c)
