@@ -124,11 +124,13 @@ class TrainStep:
                  max_norm: float | None, grad_accum: int, scheduler: Any, autocast: torch.dtype | None,
                  config: Config, whole_step: bool | str, dynamic: bool | None):
         from graphcomp import optim
+        from graphcomp.compiler.backend import graphcomp_backend
         from graphcomp.runtime.whole_step import capture_step
 
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.grad_accum, self.autocast, self.config = grad_accum, autocast, config
-        self.compiled = torch.compile(_LossModule(model, loss_fn), backend="graphcomp", options=config, dynamic=dynamic)
+        self.compiled = torch.compile(_LossModule(model, loss_fn), backend=graphcomp_backend, options=config,
+                                      dynamic=dynamic)
         self.update = optim.capture(optimizer, max_norm=max_norm, cudagraphs=config.cudagraphs)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.steps = 0
