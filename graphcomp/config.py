@@ -35,13 +35,13 @@ AUTO_BUDGET_FRACTION = 0.9
 class Config:
     passes: dict[str, bool] = field(default_factory=dict)
     """Per-pass enable flags, ``{pass_name: bool}``, over the registered passes
-    (``graphcomp.compiler.pipeline.registered_passes()``). A pass not named keeps its default
-    (see the pass table in the README). Unknown pass names are a ``ValueError``."""
+    (``graphcomp.compiler.pipeline.registered_passes()``). A pass not named keeps its
+    default (see the pass table in the README). Unknown pass names are a ``ValueError``."""
 
     codegen: Codegen = "inductor"
-    """How each stage graph (forward, backward, inference) is turned into code after
-    the passes ran: ``"inductor"`` compiles it with TorchInductor; ``"eager"`` runs
-    the FX graph as it is (useful to debug a pass without Inductor in the way)."""
+    """How each stage graph (forward, backward, inference) becomes code after the
+    passes: ``"inductor"`` (default) compiles it with TorchInductor; ``"eager"`` runs
+    the FX graph as it is (to debug a pass without Inductor in the way)."""
 
     dump_dir: str | None = None
     """Directory for graph dumps: per rank, frame and stage, the readable graph
@@ -50,258 +50,205 @@ class Config:
     nothing. Graphs also go to torch's structured trace (``TORCH_TRACE``) either way."""
 
     bucket_bytes: int = 64 * 2**20
-    """Largest bucket for ``bucket_collectives``, in bytes on the wire (gathered
-    output bytes for all-gathers, input bytes for reduce-scatters). Consecutive
-    collectives are packed until the next one would pass this. Larger buckets mean
-    fewer, more efficient collectives but more memory held by gathered parameters
-    early (a bucket is gathered at its first use). Must be >= 0; 0 disables bucketing.
-    W2 (2 H200s, one run): 256 MiB gave 137.7 against 140.5 ms per step, from fewer
-    gradient reduce-scatters (the default issues 67 per step, FSDP2 17)."""
+    """Largest bucket of ``bucket_collectives``, in bytes on the wire (gathered output
+    bytes for all-gathers, input bytes for reduce-scatters): consecutive collectives
+    are packed until the next would pass it. Default 64 MiB. Larger buckets issue
+    fewer, larger collectives but hold gathered parameters longer (a bucket is
+    gathered at its first member's use); ``reduce_bucket_bytes`` sizes the
+    reduce-scatters apart. Must be >= 0; 0 disables bucketing."""
 
     reduce_bucket_bytes: int | None = None
     """Largest bucket of gradient reduce-scatters for ``bucket_collectives``, in input
-    bytes (the full gradients packed into one collective); ``None`` (default) uses
-    ``bucket_bytes``. Gathers and reduce-scatters trade differently: a larger gather
-    bucket holds more gathered parameters earlier (memory, and a later first use),
-    while a larger reduce-scatter bucket only holds one packed send buffer a little
-    longer and issues fewer, larger collectives. Must be >= 0; 0 disables
-    reduce-scatter bucketing only. W2 on 2 H200s: 256 MiB was 2.3 ms per step faster
-    before ``defer_weight_grads``, 0.2-0.5 ms with it (within the noise), so the
-    default stays ``None``."""
+    bytes; ``None`` (default) uses ``bucket_bytes``. A larger reduce-scatter bucket
+    only holds one packed send buffer a little longer, while a larger gather bucket
+    holds gathered parameters earlier: raise this alone for fewer, larger
+    reduce-scatters at no cost in gathered memory. Must be >= 0; 0 disables
+    reduce-scatter bucketing only."""
 
     collective_bytes_per_s: float | None = None
-    """The bandwidth (bytes per second of a reduce-scatter's input, times ``(W-1)/W``)
-    that ``defer_weight_grads`` models the wire at when it decides how much weight-
-    gradient compute must move to cover the last reduce-scatter. ``None`` (default):
-    250e9, W2's table gradient on 2 H200s over NVLink. A slower interconnect (PCIe,
-    several nodes) wants a smaller value (more compute moved, a little more memory);
-    must be > 0."""
+    """The wire bandwidth ``defer_weight_grads`` models (bytes per second of a
+    reduce-scatter's input, times ``(W-1)/W``) to decide how much weight-gradient
+    compute to defer so that it covers the last reduce-scatter. ``None`` (default):
+    250e9 (``defer_weight_grads.COLLECTIVE_BYTES_PER_S``, an NVLink-class link). Set
+    a smaller value on a slower interconnect (PCIe, several nodes): more compute is
+    deferred, for a little more memory. Must be a finite number > 0."""
 
     reshard_after_forward: bool | Literal["auto", "except_last"] = "auto"
-    """Pass ``schedule_free``: whether a gathered parameter is released after its
-    last use in forward and gathered again in backward. ``True``: reshard every
-    gathered parameter (least memory, one more gather per parameter); ``False``:
-    keep every gathered parameter for backward (no re-gather, most memory);
-    ``"auto"`` (default): keep the parameters whose re-gather costs most per byte
-    held (small gathers: latency-bound; then in graph order) while the estimated
-    peak of the joint graph stays under ``memory_budget``; under the default budget
-    (``"auto"``) it also leaves room for the optimizer state outside the graph (2x
-    the parameter shards' bytes) and for what other compiled frames keep. The choice
-    is made at a function's first compile (every rank keeps what all ranks' estimates
-    keep) and reused by its recompiles, so ranks with different input shapes issue
-    the same gathers. So on CUDA the memory sharding saved buys the
-    backward's re-gathers back while it fits (W2 on 2 H100s: 3.4% faster, 2.4 GiB
-    more); without a budget (the CPU default) "auto" reshards everything;
-    ``"except_last"``: reshard every gathered parameter but the gather (bucket) the
-    backward reads first -- the last block's, which the backward would otherwise
-    wait for at its very start with nothing to overlap; FSDP2 users get the same by
-    not resharding the last block. Costs that bucket's bytes (at most
-    ``bucket_bytes``) held from the forward's end into the backward."""
+    """Pass ``schedule_free``: whether gathered parameters are released after their
+    last forward use and gathered again in backward. ``True``: release all (least
+    memory, one more gather each); ``False``: keep all (most memory); ``"auto"``
+    (default): keep those whose re-gather costs most per byte while the estimated
+    peak fits ``memory_budget`` (no budget, the CPU default: release all), decided at
+    a function's first compile, the same on every rank, and kept by its recompiles;
+    ``"except_last"``: release all but the bucket the backward reads first (the last
+    block's, at most ``bucket_bytes``), so the backward does not start by waiting for
+    a gather."""
 
     memory_budget: int | float | Literal["auto"] | None = "auto"
-    """Peak-memory budget for the scheduling passes: ``int`` bytes, or a ``float``
-    in (0, 1] as a fraction of the device's memory (CUDA only; a fraction on a CPU
-    graph is a ValueError at compile time). ``"auto"`` (default): 0.9
-    (``config.AUTO_BUDGET_FRACTION``) of the device's memory for CUDA graphs, no
-    budget for any other device (CPU memory is the host's). The budget bounds the
-    static estimate of one graph's peak (``graphcomp/analysis/memory.py``): memory held
-    outside the compiled graphs is not in it. Under ``"auto"``, ``remat`` and
-    ``reshard_after_forward="auto"`` leave room for the optimizer state (2x the
-    parameter shards) and the gathers other compiled functions keep; an explicit
-    budget is used as given, so leave room in it for what lives outside. Used by ``remat`` (recompute activations until
-    the joint graph fits), ``reshard_after_forward="auto"`` and to bound
-    ``schedule_prefetch`` (a gather is not issued earlier when that would push the
-    estimated peak over it). A budget below the estimated peak with everything
-    resharded is infeasible: a warning is logged and recorded, every parameter is
-    resharded and prefetch is limited by ``prefetch_bytes`` only. ``None``: no budget."""
+    """Peak-memory budget of ``remat``, ``reshard_after_forward="auto"`` and
+    ``schedule_prefetch``: ``int`` bytes, a ``float`` in (0, 1] of the CUDA device's
+    memory (on a CPU graph a ValueError at compile time), or ``None`` (no budget).
+    It bounds the static estimate of one graph's peak, which does not see memory
+    held outside the compiled graphs. ``"auto"`` (default): ``AUTO_BUDGET_FRACTION``
+    (0.9) of the device's memory on CUDA, none elsewhere, and room is left for the
+    optimizer state (2x the parameter shards) and other frames' kept gathers; an
+    explicit budget is used as given, so leave that room in it. A budget that even
+    resharding everything does not fit logs a warning; every parameter is then
+    resharded and prefetch is bounded by ``prefetch_bytes`` only."""
 
     remat: RematMode = "respect_user"
-    """Pass ``remat``: what the memory-budgeted rematerialization may do with the
-    user's ``torch.utils.checkpoint`` regions. ``"respect_user"`` (default): they
-    are recomputed as written; graphcomp adds recomputation of other activations
-    only when the joint graph's estimated peak is over ``memory_budget``.
-    ``"auto"``: they are candidates, not orders: with a budget, graphcomp saves
-    every activation that fits and recomputes the ones cheapest to recompute per
-    byte until the estimate is under it (faster when memory is left: W3 on 4 H100s,
-    1026 -> 890 ms per step; the estimate sees memory outside the graph only as the
-    default budget's reserve, see ``memory_budget``). Either way ``remat`` plans before
-    ``schedule_free``: saved activations come before kept gathered parameters. Without a budget
-    (CPU default) both modes leave every tag as it is. ``passes={"remat": False}``
-    switches the pass off."""
+    """Pass ``remat``: what rematerialization under ``memory_budget`` may do with the
+    user's ``torch.utils.checkpoint`` regions. ``"respect_user"`` (default): recompute
+    them as written, and recompute other activations only while the joint graph's
+    estimated peak is over the budget. ``"auto"``: treat them as candidates: save
+    every activation that fits and recompute the cheapest per byte until the estimate
+    is under the budget (faster when memory is left; it sees memory outside the
+    graph only through the default budget's reserve). ``remat`` plans before
+    ``schedule_free``: saved activations come before kept gathered parameters. Without
+    a budget both modes leave every tag as it is; ``passes={"remat": False}`` turns
+    the pass off."""
 
     inductor_memory_reorder: bool = False
-    """``codegen="inductor"``: whether Inductor's ``reorder_for_peak_memory`` (a
-    scheduler pass that replaces a graph's node order with a topological order of
-    lower estimated peak, when it finds one) may run on graphs that hold graphcomp's
-    gathers and reduce-scatters. Such an order knows nothing of communication. On
-    the tiny Llama (2 CPU ranks, small buckets, every gather prefetched) it put each
-    forward gather back next to its use and moved every backward reduce-scatter to
-    the end of the backward, each waited at once. On the W1 model at its benchmark
-    size (4 x 1024 tokens, 2 CPU ranks) it kept the forward's order and replaced the
-    backward's with a breadth-first order of 3.4% lower estimated peak (1.87 vs 1.93
-    GB) in which each of the backward's first four gathers is waited right after it
-    is issued, behind the head gradient's reduce-scatter: the W1 trace on 2 H200s
-    (0dea721) shows that reduce-scatter and three gathers exposed in a row at the
-    backward's start. ``False`` (default) keeps the order ``schedule_prefetch``
-    chose, as torchtitan's SimpleFSDP does; that order's estimated peak is the one
-    graphcomp plans with (``memory_budget``). Graphs without graphcomp's collectives
-    are left to Inductor either way. Each graph with them counts
-    ``inductor_memory_reorders`` when Inductor replaced its order and
-    ``inductor_memory_orders_kept`` when it looked and kept it (with ``True``)."""
+    """``codegen="inductor"``: whether Inductor's ``reorder_for_peak_memory`` may
+    reorder graphs that hold graphcomp's gathers and reduce-scatters. It lowers the
+    estimated peak but knows nothing of communication: it can move prefetched gathers
+    back next to their use and wait collectives right after issuing them, exposing
+    them. ``False`` (default) keeps ``schedule_prefetch``'s order (as torchtitan's
+    SimpleFSDP does), whose estimated peak is the one ``memory_budget`` plans with.
+    Graphs without graphcomp's collectives are left to Inductor either way. With
+    ``True`` each such graph counts ``inductor_memory_reorders`` (order replaced) or
+    ``inductor_memory_orders_kept``."""
 
     prefetch_bytes: int = 128 * 2**20
-    """Pass ``schedule_prefetch``: most bytes of all-gather outputs in flight
-    (issued but not yet waited) at any point of a forward or backward graph.
-    Gathers are issued early (in program order) until this cap; a single gather
-    larger than the cap (an embedding or LM-head table) is issued early only while
-    the other gathers in flight hold at most half the cap. The same cap bounds the
-    reduce-scatter inputs in flight (the oldest is waited when a new one would pass
-    it), not counting one reduce-scatter larger than the cap on its own. Must be
-    >= 0; 0 disables prefetching (waits still sink to their first use)."""
+    """Pass ``schedule_prefetch``: most bytes of all-gather outputs in flight (issued,
+    not yet waited) at any point of a graph; gathers are issued early, in program
+    order, up to this cap and ``memory_budget``. A gather larger than the cap (an
+    embedding or LM-head table) is issued early only while the others in flight hold
+    at most half of it. The cap also bounds reduce-scatter inputs in flight, not
+    counting one larger than the cap. Default 128 MiB; more overlaps more
+    communication for more memory. Must be >= 0; 0 disables prefetching (waits still
+    sink to their first use)."""
+
     inductor_fusion_search: FusionSearch = "fast"
-    """``codegen="inductor"``: how widely Inductor's scheduler searches for fusions
-    in the graphs graphcomp compiles. ``"fast"`` (default) sets Inductor's
-    ``max_fusion_buffer_group_pairwise_attempts`` to 16 (Inductor: 64) and
-    ``loop_ordering_after_fusion`` to False for those graphs only; ``"inductor"``
-    leaves both as Inductor (or the user) set them. Inductor pairs every node with
-    the next 64 nodes that read the same buffer, in each of up to 10 fusion rounds,
-    and retries a pair that shares little data after reordering its loops. A deep
-    model's whole-graph compile has buffers read by every block (RoPE tables: W3's
-    forward, recomputation and backward read them in about 200 nodes), so most
-    pairs are nodes of different blocks that cannot fuse: on W3 (2 H200s) the
-    search took 16 s of the cold compile, about half of it in loop reordering.
-    Measured on the CPU (8 checkpointed blocks of W3's structure, 2 gloo ranks):
-    the same fusions (455 of the pairs tried, 837 kernels from 998 nodes), 8063
-    instead of 15438 pairs tried. On 2 H200s (4c5e8ae): W3's cold first step
-    104.1 s against 123.8 s with ``"inductor"``; W2 steps 129.7-131.3 ms either way
-    in three A/B pairs (README, Known issues, "Cold compile")."""
+    """``codegen="inductor"``: how widely Inductor's scheduler searches for fusions in
+    the graphs graphcomp compiles. ``"fast"`` (default) sets
+    ``max_fusion_buffer_group_pairwise_attempts`` to 16 (Inductor's default: 64) and
+    ``loop_ordering_after_fusion`` to False for those graphs only: in a deep model
+    buffers read by every block (RoPE tables) pair nodes of different blocks that
+    cannot fuse, so the wider search mostly adds cold-compile time, not fusions.
+    ``"inductor"`` leaves both as Inductor (or the user) set them: use it if a kernel
+    fusion is missing under ``"fast"``."""
 
     cudagraphs: CudaGraphsMode = "auto"
     """CUDA-graph capture of the forward/backward graphs (passes ``partition_graph``
-    and ``cudagraphs``): ``"off"`` never captures (graphs run as compiled);
-    ``"auto"`` cuts each graph at ops CUDA graphs cannot capture, captures the
-    pieces that can be and runs the rest eagerly, logging each reason;
-    ``"require"`` raises if any piece cannot be captured. Graphs without CUDA
-    tensors (CPU) are never split. ``passes={"cudagraphs": False}`` also turns
-    capture off; ``cudagraphs="require"`` together with ``passes={"cudagraphs":
-    False}`` (or ``"partition_graph": False``) is a contradiction: ``ValueError``."""
+    and ``cudagraphs``): ``"off"`` never captures; ``"auto"`` (default) cuts each
+    graph at ops CUDA graphs cannot capture, captures the pieces that can be and runs
+    the rest eagerly, logging each reason; ``"require"`` raises if any piece cannot
+    be captured. Graphs without CUDA tensors are never split.
+    ``passes={"cudagraphs": False}`` also turns capture off; with ``"require"`` it
+    (or ``"partition_graph": False``) is a ``ValueError``."""
 
     split_ops: list[str] = field(default_factory=list)
     """Extra op names that always run outside CUDA graphs (a cut around each):
     ``"aten.nonzero"``, ``"aten.nonzero.default"``, ``"aten::nonzero"`` or a bare
-    ``"nonzero"``; custom ops as ``"ns.op"``. Each entry must be a non-empty string."""
+    ``"nonzero"``; custom ops as ``"ns.op"``. Each entry must be a non-empty string
+    without whitespace. Default: none."""
 
     min_piece_nodes: int = 3
-    """A capturable piece with fewer compute nodes than this is not worth a CUDA
-    graph (launch savings below replay overhead): it joins its eager neighbours.
-    Must be >= 1."""
+    """A capturable piece with fewer compute nodes than this (default 3) is not worth
+    a CUDA graph (its launch savings are below the replay overhead): it joins its
+    eager neighbours. Must be >= 1."""
 
     compile_regions: bool | Literal["auto"] = "auto"
     """Regional compilation (pass ``partition_graph``, Inductor codegen only): cut the
-    forward and backward graphs into regions near block boundaries (each region holds
-    at least ``region_min_nodes`` compute nodes; in a sharded transformer one region
-    per block, cut where the fewest bytes of values cross) and compile each distinct
-    region once: regions whose graphs and input shapes, strides and dtypes are the
-    same reuse one compiled function. Cuts the cold compile of deep models
-    (Inductor's time grows with the graph's size). With CUDA graphs the regions are
-    compiled apart and run in order inside their piece, which is captured whole;
-    without them they are eager pieces, each compiled.
-
-    ``"auto"`` (the default): on for a stage graph whose pieces are captured (CUDA
-    graphs), compiled by Inductor, with static shapes, and that cuts into at least
-    ``region_auto_min`` regions (a deep model); otherwise the graph compiles whole. A
-    piece whose regions would mostly be compiled anyway (more than half of them: blocks
-    that differ) also compiles whole (counter ``region_pieces_compiled_whole``).
-    W3 (32 blocks) on 2 H200s, 2026-11-28, one machine: cold first step 86.5 s
-    against 133.5 s whole, steps 977.7 ms either way. ``True``: always (also without
-    CUDA graphs); ``False``: never. ``graphcomp.counters``: ``regions``,
-    ``regions_compiled``, ``regions_reused``, ``regions_not_reusable``,
-    ``region_cuts_in_flight``, ``region_pieces_compiled_whole``; with ``GRAPHCOMP_LOG=INFO``
-    ``partition_graph`` says what ``"auto"`` decided and the codegen why a region was
-    compiled again."""
+    forward and backward graphs into regions near block boundaries (at least
+    ``region_min_nodes`` compute nodes each, about one per transformer block, cut
+    where the fewest bytes cross) and compile each distinct
+    region once, reused by regions with the same graph and input shapes, strides and
+    dtypes. Cuts the cold compile of deep models. With CUDA graphs the regions run
+    in order inside their piece, captured whole; without, each is its own eager piece.
+    ``"auto"`` (default): on for a captured, Inductor-compiled, static-shape stage
+    graph that cuts into at least ``region_auto_min`` regions, except a piece whose
+    regions mostly differ (compiled whole); ``True``: always; ``False``: never.
+    Counters ``regions*``, ``region_cuts_in_flight``,
+    ``region_pieces_compiled_whole``; ``GRAPHCOMP_LOG=INFO`` logs the decisions."""
 
     region_min_nodes: int = 64
     """``compile_regions``: the fewest compute nodes a region holds before the next
-    cut (smaller regions merge with the next). Must be >= 1."""
+    cut (smaller regions merge with the next). Default 64. Must be >= 1."""
 
     region_auto_min: int = 16
     """``compile_regions="auto"``: the fewest regions a stage graph must cut into for
     regional compilation to be used (a transformer of N blocks cuts into about N + 1).
-    Must be >= 1."""
+    Default 16. Must be >= 1."""
 
     max_captures: int = 8
-    """CUDA graphs per piece: one capture per input-shape signature (shapes,
-    strides, dtypes and scalar values of the inputs), up to this many; a piece seen
-    with more signatures runs eagerly with a warning. Must be >= 1."""
+    """CUDA graphs per piece: one capture per input-shape signature (shapes, strides,
+    dtypes and scalar values of the inputs), up to this many (default 8); a piece
+    seen with more signatures runs eagerly with a warning. Must be >= 1."""
 
     check_static_inputs: StaticCheck = "first"
-    """When static inputs (parameters, buffers) of a captured piece are checked
-    for a changed address: ``"first"`` on the first replay of each capture,
+    """When static inputs (parameters, buffers) of a captured piece are checked for a
+    changed address: ``"first"`` (default) on the first replay of each capture,
     ``"always"`` on every replay (a few microseconds per piece). Saved activations
     and outputs of other captured pieces are checked on every replay regardless."""
 
     on_address_change: AddressChange = "error"
-    """What a changed parameter/buffer address does: ``"error"`` raises naming the
-    input and the fix (keep parameters in place: ``copy_`` into them, never
+    """What a changed parameter/buffer address does: ``"error"`` (default) raises
+    naming the input and the fix (keep parameters in place: ``copy_`` into them, never
     reassign ``.data``); ``"recapture"`` captures the piece again (counted in
     ``graphcomp.counters['recaptures']``)."""
 
     copy_outputs: OutputCopy = "auto"
-    """How captured pieces hand out what leaves graphcomp: the gradients bound for
-    ``param.grad`` and forward outputs over 1 MiB (logits; tensors handed across a
-    graph break). They live in the shared CUDA-graph pool, which later replays
-    overwrite. ``"always"`` copies them out of the pool after every replay (costs their
-    size in memory and a copy per step). ``"auto"`` hands them out without a copy;
-    before every replay graphcomp checks (storage use counts, after one
-    ``gc.collect()`` per capture) that nothing it could overwrite is still referenced.
-    The first time one is (gradient accumulation, ``zero_grad(set_to_none=False)``,
-    a loop that keeps the model's output until the next forward), its piece copies
-    it from then on and the piece about to replay is captured again around the live
-    tensor (``graphcomp.counters['hazard_recaptures']``); it is never overwritten.
-    Forward outputs up to 1 MiB (the loss, metrics) are always copied: they are
-    often kept for logging (``graphcomp.compiler.codegen.FORWARD_COPY_BELOW``)."""
+    """How captured pieces hand out what leaves graphcomp from the shared CUDA-graph
+    pool, which later replays overwrite: gradients bound for ``param.grad`` and forward
+    outputs over 1 MiB (logits, tensors crossing a graph break). ``"always"``: copy them
+    out after every replay (their size in memory, a copy per step). ``"auto"``
+    (default): hand them out uncopied; before each replay graphcomp checks that nothing
+    it would overwrite is still referenced. When one is (gradient accumulation,
+    ``zero_grad(set_to_none=False)``, a kept output), its piece copies it from then on
+    and the piece about to replay is captured again (``hazard_recaptures``). Forward
+    outputs up to 1 MiB (loss, metrics) are always copied
+    (``graphcomp.compiler.codegen.FORWARD_COPY_BELOW``)."""
 
     loss_chunk_tokens: int = 1024
     """Pass ``chunk_lm_loss``: rows (tokens) per chunk of the chunked language-model
-    loss. Each chunk holds at most two ``[loss_chunk_tokens, vocab]`` buffers at once
-    (its logits, their fp32 copy, log-probabilities or gradient), instead of the
-    whole ``[tokens, vocab]`` logits in fp32 and their gradient; a linear head's
-    weight gradient (``vocab x hidden``, fp32) is summed over the chunks and kept
-    for the backward. Smaller chunks use less memory and launch more, smaller kernels (each
-    chunk is one matmul of ``loss_chunk_tokens`` rows per product). Must be >= 1."""
+    loss (default 1024). Each chunk holds at most two ``[loss_chunk_tokens, vocab]``
+    buffers at once instead of the whole ``[tokens, vocab]`` logits in fp32 and their
+    gradient; a linear head's fp32 weight gradient is summed over the chunks. Smaller
+    chunks use less memory but launch more, smaller kernels. Must be >= 1."""
 
     loss_chunk_kernels: LossKernels = "inductor"
     """Pass ``chunk_lm_loss``: how each chunk's softmax and gradient arithmetic runs
-    on CUDA. ``"inductor"``: one function compiled by Inductor at its first call
-    (a row reduction and one elementwise pass; it holds only the chunk's logits and
-    gradient); ``"eager"``: about six eager kernels per chunk, each reading and
-    writing the chunk in fp32. On other devices it always runs eagerly."""
+    on CUDA. ``"inductor"`` (default): one function compiled by Inductor at its first
+    call (a row reduction and one elementwise pass, holding only the chunk's logits
+    and gradient); ``"eager"``: about six eager kernels per chunk, each reading and
+    writing the chunk in fp32. Other devices always run it eagerly."""
 
     rank_agreement: bool = True
-    """Compile-time rank agreement: after the passes, each rank publishes the
-    collective sequence its forward/backward graph will issue on each process group
-    (kind, dtype, bytes, order, bucket, reshard and prefetch decisions, source line)
-    through the default process group's store, and compares it with every other
-    member's. A mismatch raises ``graphcomp.errors.RankDivergence`` on every rank,
-    naming the first differing collective and its source line, instead of hanging
-    until the process-group timeout. Frames without collectives and single-rank
-    groups are not checked. ``False`` skips the exchange."""
+    """Compile-time rank agreement (default on): after the passes, each rank publishes
+    the collective sequence its graph will issue on each process group (kind, dtype,
+    bytes, order, bucketing and scheduling decisions, source line) through the default
+    group's store and compares it with the other members'. A mismatch raises
+    ``graphcomp.errors.RankDivergence`` on every rank, naming the first differing
+    collective and its source line, instead of hanging until the process-group
+    timeout. Frames without collectives and single-rank groups are not checked."""
 
     rank_agreement_timeout: float = 60.0
-    """Seconds a rank waits for the other members of a group to publish their
-    collective sequence (compile-time agreement, and the eager per-gather check of
-    ``GRAPHCOMP_DEBUG=1``). A rank that never compiles the matching graph (it took
+    """Seconds (default 60) a rank waits for the other members of a group to publish
+    their collective sequence (compile-time agreement, and the eager per-gather check
+    of ``GRAPHCOMP_DEBUG=1``). A rank that never compiles the matching graph (it took
     another path, recompiled alone, or died) turns into a ``RankDivergence`` after
     this long. Must be > 0; keep it above the slowest rank's compile time."""
 
     verify_collectives: bool | Literal["debug"] = True
     """The collective verifier: after every pass, check against the graph before it
-    that each parameter is still gathered as often, on the same group, in its
-    dtype or the dtype it is cast to right after (fused downcast), and each
-    gradient is reduce-scattered exactly once in the same dtype and group (fused and
-    bucketed forms included). A violation raises
-    ``graphcomp.errors.CollectiveVerifyError`` naming the pass. ``"debug"``: only
-    when ``debug`` is on; ``False``: never."""
+    that each parameter is still gathered as often, on the same group, in its dtype
+    or the dtype it is cast to right after (fused downcast), and each gradient is
+    reduce-scattered exactly once in the same dtype and group (fused and bucketed
+    forms included); a violation raises ``graphcomp.errors.CollectiveVerifyError``
+    naming the pass. ``True`` (default): always; ``"debug"``: only with ``debug``;
+    ``False``: never."""
 
     debug: bool = False
     """Extra checks and logging: lint every graph after every pass (a pass that

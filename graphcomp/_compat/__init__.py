@@ -145,9 +145,10 @@ def is_recompile() -> bool:
 def lazy_graph_modules() -> Iterator[None]:
     """GraphModules built inside (``split_module``'s glue and pieces) generate their
     Python code only when first called or read (``torch.fx._lazy_graph_module``), and a
-    later ``recompile()`` of them only marks the code stale. Each eager recompile of a
-    split W3 backward (11k nodes) also regenerates its piece: about 0.4-0.7 s per call
-    on the CPU, three to five calls per stage before any of that code was run."""
+    later ``recompile()`` of them only marks the code stale. An eager recompile would
+    regenerate a piece's code every time a pass rewrites it, several times per stage
+    before the code first runs: slow for the backward of a deep model (thousands of
+    nodes)."""
     try:
         from torch.fx._lazy_graph_module import _use_lazy_graph_module
     except ImportError:  # pragma: no cover (every supported torch has it)
@@ -161,7 +162,8 @@ def lazy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` as a lazy GraphModule over the same graph (its ``recompile()`` only marks
     the code stale; the code is generated when first called or read), or ``gm`` when it
     is one already. The partitioner's backward is a plain GraphModule, which
-    regenerated its 11k-node code after each pass that rewrote it (W3). Attributes the
+    regenerates its code after each pass that rewrites it (slow for a deep model's
+    backward of thousands of nodes). Attributes the
     constructor does not carry (``meta``, ``shape_env``) are carried here."""
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -273,8 +275,8 @@ def inductor_compile_fx(gm: fx.GraphModule, example_inputs: Sequence[Any], *, in
 
 def register_inductor_decompositions(table: dict[Any, Any]) -> None:
     """Add ``table`` to Inductor's own decomposition table (idempotent; ops already there
-    are left alone). Passing ``decompositions=`` to ``compile_fx`` instead made every
-    compile bypass Inductor's FX-graph cache."""
+    are left alone). Passing ``decompositions=`` to ``compile_fx`` instead would make
+    every compile bypass Inductor's FX-graph cache."""
     from torch._inductor import decomposition
 
     # select_decomp_table() returns a cached copy of the table (fast_random_decomps)
@@ -385,9 +387,8 @@ def inductor_patches(joint_hook: Any, *, no_donated_buffers: bool = False) -> It
     ``no_donated_buffers``: AOTAutograd "donates" saved activations to the
     backward, and Inductor may then write into those input buffers. A CUDA-graph
     runner executes a piece several times on the same inputs (warm-up, capture,
-    replay), so every run after the first would read clobbered inputs (seen on 2
-    H200s: wrong first-step gradients, 1.2e-2 parameter error). Off when graphcomp
-    captures.
+    replay), so every run after the first would read clobbered inputs (wrong
+    gradients from the first step on). Off when graphcomp captures.
 
     Inductor's partitioner is ``min_cut_rematerialization_partition`` followed by
     :func:`_saved_tensors_before_opaque` (``config.custom_partitioner_fn``, where
@@ -429,7 +430,7 @@ def _ordered_partitioner() -> Any:
 
         def __reduce__(self) -> Any:
             # Inductor pickles its config (this object included) into the FX-graph
-            # cache key: a local class cannot be pickled, which bypassed the cache
+            # cache key: a local class cannot be pickled, which would bypass the cache
             # for every compile ("Failed to pickle cache key"). By reference instead.
             return (_ordered_partitioner, ())
 
@@ -447,8 +448,8 @@ def inductor_cache_key(joint_hook: Any) -> Iterator[None]:
     indices, so an identical backward once compiled with donation (by
     ``backend="inductor"``, or by graphcomp without CUDA graphs) would be served to
     a CUDA-graph piece, which runs several times on the same saved activations
-    (seen on H200s: 9.7e-3 parameter error after 10 steps of the tiny Llama). The
-    hook never runs here: the joint passes ran before partitioning."""
+    (wrong gradients, parameters drifting from the reference within a few steps).
+    The hook never runs here: the joint passes ran before partitioning."""
     import torch._inductor.config as iconfig
 
     with iconfig.patch({"joint_custom_pre_pass": joint_hook}):
@@ -981,9 +982,8 @@ def group_backend(group_name: str) -> str | None:
 # one) on DTensor parameters goes through DTensor's sharding propagation, which runs the
 # op on fake tensors; without a Meta kernel FakeTensor's fallback materializes a real
 # zero tensor for every parameter, gradient and state and runs the real kernel on them:
-# measured 60+ s and a full extra copy of the optimizer's memory
-# in the first step of W3 (8B) on 4 H200s, and 8.8 s against 0.09 s for 40 4M-element
-# DTensors on a CPU. These ops are in place and return nothing, so their Meta kernel only
+# a full extra copy of the optimizer's memory and a much slower first step, growing
+# with the model. These ops are in place and return nothing, so their Meta kernel only
 # checks that the arguments are lists; each is registered only where torch has none.
 # (Fused SGD / Adagrad have no DTensor sharding rule at all in these versions: not here.)
 _FUSED_INPLACE_OPS = ("_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr")

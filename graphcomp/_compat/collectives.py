@@ -9,10 +9,9 @@ replay. Had the warm-up and the trial run the piece's collectives, a capture cal
 would issue them ``WARMUP_ITERS + 2`` times and a replay call once. Every rank captures at
 the same calls only while ranks see the same shapes and make the same decisions; a
 rank that captures alone (a sequence length only it sees, a re-capture after a
-hazard or a moved address) would then issue collectives its peers never match: the
-2-GPU soak (per-rank sequence lengths) hung at its first such step on 2 H200s,
-2026-11-26, a rank blocked loading a kernel (a context synchronization behind an
-NCCL kernel waiting for its peer), the other in ``synchronize()``.
+hazard or a moved address) would then issue collectives its peers never match,
+and the job hangs: that rank blocks loading a kernel (a context synchronization
+behind an NCCL kernel waiting for its peer), the other in ``synchronize()``.
 
 How. ``torch.utils._python_dispatch.TorchDispatchMode`` (private module, stable
 since torch 2.0) sees every op the piece dispatches (eager FX code and Inductor's
@@ -32,15 +31,15 @@ through it and need not). For an op of the ``_c10d_functional`` namespace:
   capture; every rank reaches its first capture at the same call).
 
 Collectives of the ``c10d`` namespace (``torch.distributed`` called inside a piece,
-returning a ``Work``) cannot be stood in for and run as before.
+returning a ``Work``) cannot be stood in for and run for real.
 
 Higher-order operators pass through (``supports_higher_order_operators``; without
-it any HOP in a piece raised ``NotImplementedError`` and failed its capture: W3 on
-4 H100s, 2026-11-26, Inductor's ``graphsafe_run_with_rng_state`` around the cuDNN
-attention that the user's activation checkpointing recomputes). One that wraps a
+it any HOP in a piece raises ``NotImplementedError`` and fails its capture, e.g.
+Inductor's ``graphsafe_run_with_rng_state`` around a cuDNN attention that the user's
+activation checkpointing recomputes). One that wraps a
 functional collective (an op or a subgraph of the ``_c10d_functional`` namespace)
 raises instead: the mode cannot reach inside it, and running it would issue a
-collective alone; the piece then fails its capture and runs eagerly, as before.
+collective alone; the piece then fails its capture and runs eagerly.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@ the same rules apply: torch 2.11 and 2.13, nothing of graphcomp imported).
 
 Why. ``ProcessGroupGloo`` runs collectives on 2 worker threads by default, so two
 collectives of one group in flight run at the same time. On torch 2.13 (CPU) that
-corrupts memory or deadlocks inside gloo, rarely but reproducibly: raw functional
-collectives on 2 ranks, up to 24 in flight, crashed (SIGABRT from glibc's heap
-checks, SIGSEGV) or hung in 5 of 16 runs of 1,500 iterations with 2 worker threads,
-and never in 11 runs with 1 (``tests/stress/gloo_collectives_stress.py
---gloo-threads``; docs/heap-corruption.md). ``dist.new_group`` ignores gloo options,
-so a group with one worker thread is made by constructing its backend with options,
-for the one ``new_group`` call.
+corrupts memory or deadlocks inside gloo, rarely but reproducibly, also with raw
+functional collectives and no graphcomp graph (SIGABRT from glibc's heap checks,
+SIGSEGV, or a hang); with one worker thread the stress test does not reproduce it
+(``tests/stress/gloo_collectives_stress.py --gloo-threads`` compares the two;
+docs/heap-corruption.md). ``dist.new_group`` ignores gloo options, so a group with
+one worker thread is made by constructing its backend with options, for the one
+``new_group`` call.
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ def allow_side_effects_under_checkpoint() -> bool:
     """Let Dynamo trace Python side effects inside ``torch.utils.checkpoint``
     regions instead of graph-breaking at every one: graphcomp's gather-scope hooks
     write the open scope (``SESSION.scopes``) when a module's forward starts and
-    remove it when it ends, and that write made every checkpointed block of a
-    sharded model a graph break. ``torch._dynamo.config.
+    remove it when it ends, and without this flag that write makes every
+    checkpointed block of a sharded model a graph break. ``torch._dynamo.config.
     skip_fwd_side_effects_in_bwd_under_checkpoint`` (2.11 and 2.13) applies such
     side effects once, after the forward, and does not replay them during the
     backward's recomputation (eager checkpointing replays them; the scope's are

@@ -52,9 +52,8 @@ log = logging.getLogger(__name__)
 # holds, which shift with a recompile's symbolic inputs, are for the message only).
 # ``prefetch_ahead`` is shown but not compared: it counts the local compute nodes a
 # gather runs ahead of its first use, which says nothing about the order of the
-# collectives (the rows' order does). On 2 H100s (2026-11-25) the tiny Llama's first
-# backward gather had 24 on rank 0 and 25 on rank 1, with the same collectives; why
-# was not found (on 2 CPU ranks both ranks' graphs have the same ops).
+# collectives (the rows' order does). CUDA ranks with the same collectives can count
+# differently (the cause is not known; on CPU ranks both graphs hold the same ops).
 ROW_FIELDS = ("kind", "op", "dtype", "bytes", "bucket", "fused_downcast", "resharded")
 SHOWN_FIELDS = ROW_FIELDS + ("prefetch_ahead",)
 
@@ -181,8 +180,8 @@ def note_frame() -> None:
     """Called for every graph the backend compiles: after ``torch._dynamo.reset()``
     Dynamo's frame ids restart at 0, and a new epoch begins, so that the new
     compiles' keys never meet the previous epoch's store entries (a stale entry of
-    the same frame id read as a divergence on one rank while the other went on: a
-    hang). A reset is seen as the first compile (compile number 0) of a frame id at
+    the same frame id would read as a divergence on one rank while the other goes
+    on: a hang). A reset is seen as the first compile (compile number 0) of a frame id at
     or below the highest one compiled so far: Dynamo numbers new code objects
     upwards, so only a restart gives an old id a first compile again. (Dynamo's
     frame 0 need not reach the backend: a graph break before any op, HF Mixtral's

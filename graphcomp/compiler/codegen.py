@@ -46,7 +46,8 @@ FORWARD_COPY_BELOW = 1 << 20
 copied out of the CUDA-graph pool; larger ones (the logits a Hugging Face model
 returns, tensors handed across a graph break) follow ``Config.copy_outputs`` as
 gradients do: with ``"auto"`` they are copied only once one is seen still held at a
-later replay (HF GPT-2 on 2 H100s copied its 262 MB of logits every step)."""
+later replay (copying them always would copy a language model's logits, often
+hundreds of MB, every step)."""
 
 log = logging.getLogger(__name__)
 

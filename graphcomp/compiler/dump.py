@@ -63,8 +63,8 @@ class Dumper:
 
     def _text(self, gm: fx.GraphModule):
         """``readable(gm)``, formatted once and only when something reads it: the
-        dump directory or an enabled structured trace (formatting a W3-deep graph takes
-        about a second, and a compile formats a dozen)."""
+        dump directory or an enabled structured trace (formatting a deep model's graph
+        is slow, and a compile formats a dozen)."""
         cache: list[str] = []
 
         def get() -> str:

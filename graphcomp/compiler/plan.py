@@ -152,16 +152,16 @@ class FramePlan:
     splits: dict[str, SplitPlan] = field(default_factory=dict)
     prefetch_cpu_graphs: bool = False
     """Let ``schedule_prefetch`` reorder graphs without CUDA tensors (CPU / gloo). Off by
-    default: with several gloo collectives in flight the heap gets corrupted, about once
-    in 110,000 collectives under CPU contention, also with raw functional collectives and
+    default: with several gloo collectives in flight the heap gets corrupted, rarely
+    (under CPU contention) but reproducibly, also with raw functional collectives and
     no graphcomp graph (``docs/heap-corruption.md``). Tests and
     ``tests/stress/gloo_stress.py --prefetch-cpu on`` set it."""
 
     zero_copy_cpu_graphs: bool = False
-    """Let ``zero_copy_buckets`` regroup the buckets of graphs without CUDA tensors (CPU /
-    gloo). Off by default: gloo runs a grouped reduce-scatter as one collective per
-    member (2 ranks, a 6-member bucket: 5.6 vs 1.8 ms for the flat one), so on CPU the
-    flat bucket is faster. Tests set it to check the pass's numerics on gloo."""
+    """Let ``zero_copy_buckets`` regroup the buckets of graphs without CUDA tensors
+    (CPU / gloo). Off by default: gloo runs a grouped reduce-scatter as one collective
+    per member, each bound by per-call latency, so on CPU the flat bucket is faster.
+    Tests set it to check the pass's numerics on gloo."""
 
     code_id: int | None = None
     """Dynamo's id of the function this frame compiles (the same for its recompiles);

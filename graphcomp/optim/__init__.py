@@ -19,8 +19,8 @@ What one step is (the same code warms up, is captured, and runs when eager)::
 
 It runs torch's own clipping and optimizer code on the user's optimizer (DTensor
 shards and all); only the kernels are replayed, so the Python and DTensor dispatch
-cost (several ms on ~100 shards) is paid at capture only, and the update is the
-update eager ``opt.step()`` makes with the same settings.
+cost, which grows with the number of shards, is paid at capture only, and the update
+is the update eager ``opt.step()`` makes with the same settings.
 
 Steps. The first call is an eager warm-up step (it creates the optimizer's state and
 initialises NCCL, under ``graphcomp.runtime.is_capturing()``); the next call captures
@@ -53,12 +53,13 @@ was at capture. With graphcomp's CUDA graphs that is the backward's pool memory,
 the same every step (``copy_outputs="auto"``), and with ``zero_grad(set_to_none=False)``
 it is the persistent ``param.grad``: no copy, no extra memory, and clipping scales
 ``param.grad`` in place as ``clip_grad_norm_`` does. Before every replay the host
-compares the gradients' addresses (about 0.3 µs per parameter): a gradient that moved
-(a re-captured backward, eager gradients the allocator placed elsewhere) re-captures
-the step; after ``_MOVES_BEFORE_COPY`` such moves the step switches to static gradient
-buffers, one ``torch._foreach_copy_`` of the local gradients per step (memory: one
-more copy of the local gradient shards; ``param.grad`` then keeps the unclipped
-values after the step). Any change in which parameters have a gradient re-captures.
+compares the gradients' addresses (a pointer read and comparison per parameter): a
+gradient that moved (a re-captured backward, eager gradients the allocator placed
+elsewhere) re-captures the step; after ``_MOVES_BEFORE_COPY`` such moves the step
+switches to static gradient buffers, one ``torch._foreach_copy_`` of the local gradients
+per step (memory: one more copy of the local gradient shards; ``param.grad`` then keeps
+the unclipped values after the step). Any change in which parameters have a gradient
+re-captures.
 
 Memory. The graph allocates from a private pool, so its temporaries stay reserved:
 8 bytes per parameter for fused AdamW (per-shard norms), one copy of the local
@@ -148,7 +149,7 @@ def capture(
     then the others while those gathers run; the forward then finds its table
     gathered. Each parameter's update is unchanged (two ``opt.step()`` calls over
     disjoint parameters; none when the optimizer has step hooks). False: no prefetch,
-    and the forwards compiled afterwards gather as before.
+    and the forwards compiled afterwards gather the table themselves.
 
     The call returns the global norm as a new 0-dim tensor (a plain tensor, the same
     value on every rank) on the parameters' device."""

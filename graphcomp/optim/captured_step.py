@@ -507,8 +507,8 @@ class CapturedStep:
         # every capture: torch asserts (CachingHostAllocator / CUDACachingAllocator,
         # "it->second->use_count > 0" in beginAllocateToPool) when a capture reuses a
         # pool id whose graphs were all reset while its blocks are still held (the
-        # previous capture's norm and skip buffers): what failed the re-capture after
-        # gradients moved in the 1-GPU soak. The old pool goes back once its tensors die.
+        # previous capture's norm and skip buffers), as a re-capture after the gradients
+        # moved would. The previous pool goes back once its tensors die.
         self._pool = dev.pool_handle()
         self._with_grad = self._step_params = with_grad
         if self._copy_mode:

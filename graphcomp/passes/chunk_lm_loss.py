@@ -17,7 +17,7 @@ by ``Config.loss_chunk_tokens``:
   of hidden and weight (for an upstream gradient of 1; the op's autograd formula
   scales them). The backward recomputes nothing and needs neither the logits nor
   ``W``: a sharded head weight is not gathered again for the backward, and its
-  gradient flows to the reduce-scatter as before.
+  gradient flows to its reduce-scatter unchanged.
 
 * the logits are also used elsewhere (Hugging Face models return them; an accuracy
   metric)::
@@ -40,16 +40,15 @@ by Inductor as an extern kernel.
 
 Why the gradients in the forward (form 1): the alternative, saving each row's
 log-sum-exp and recomputing the chunk's logits in the backward, costs a second
-logits matmul (a third of the head's FLOPs: 2 x tokens x hidden x vocab = 4.3 TFLOP per
-W2 micro-batch)
-and a backward re-gather of the head weight. Computing them in the forward costs
-neither; what it holds instead is the weight gradient's fp32 sum (``vocab x
-hidden``: 1 GiB at W2, 2 GiB at W3) from the loss to the start of the backward,
-where the unrewritten graph holds the fp32 log-probabilities (3.9 GiB at W2), and it
-computes the gradients even if no backward follows (evaluation with grad enabled;
-under ``torch.no_grad()`` it does not). Chunks are over tokens, not the
-vocabulary: a vocabulary chunk needs every token's log-sum-exp first, i.e. the
-logits twice.
+logits matmul (``2 x tokens x hidden x vocab`` FLOPs, a third of the head's) and a
+backward re-gather of the head weight. Computing them in the forward costs neither;
+what it holds instead is the weight gradient's fp32 sum (``vocab x hidden``) from
+the loss to the start of the backward, where the unrewritten graph holds the fp32
+log-probabilities (``tokens x vocab``: more whenever a micro-batch has more tokens
+than the hidden size), and it computes the gradients even if no backward follows
+(evaluation with grad enabled; under ``torch.no_grad()`` it does not). Chunks are
+over tokens, not the vocabulary: a vocabulary chunk needs every token's log-sum-exp
+first, i.e. the logits twice.
 
 Numerics: the chunk math is the unrewritten graph's (see ``loss_ops``): fp32 equal
 up to summation order; in bf16 the weight gradient is summed over chunks in fp32

@@ -1,13 +1,12 @@
 """defer_weight_grads (bwd): compute the last reduce-scatter's inputs first.
 
 The backward's last gradient is usually its largest: a language model's input
-embedding (W2: a 1 GB fp32 table gradient) is reduce-scattered after everything
-else, so nothing overlaps that collective and the step waits for all of it (2.1 ms
-per step on W2, 2 H100s). Its inputs, though, need only the data-gradient chain
-(the ``dX`` of every block down to the embedding's output); the weight gradients
-of the blocks below it (``dW = dY^T X``) feed only their own reduce-scatters. This
-pass moves the compute that the last reduce-scatter does not depend on, and that
-sits just before it, to after it::
+embedding (a table-sized fp32 gradient) is reduce-scattered after everything else,
+so nothing overlaps that collective and the step waits for all of it. Its inputs,
+though, need only the data-gradient chain (the ``dX`` of every block down to the
+embedding's output); the weight gradients of the blocks below it (``dW = dY^T X``)
+feed only their own reduce-scatters. This pass moves the compute that the last
+reduce-scatter does not depend on, and that sits just before it, to after it::
 
     ... dX_0  dW_0  RS(bucket 0)  emb_bwd  RS(emb)           (the RS(emb) uncovered)
 
@@ -21,27 +20,27 @@ the deferred gradients.
 
 How much moves: nodes are taken from the end backwards (every node between the
 cut and the last reduce-scatter that is not one of its ancestors; what a moved
-node's users need moves with it, so the order stays topological) until the
-modelled compute time of what moved reaches the modelled time of the last
-reduce-scatter and of the reduce-scatters that move with it (they now run after
-it): input bytes times ``(W - 1) / W`` over ``COLLECTIVE_BYTES_PER_S``; matmuls at
-``MATMUL_FLOPS_PER_S`` (the harness's measured H200 rate), other ops by ``remat``'s
-cost model. The cut is made in whole units, each ending at one reduce-scatter (the
-cut ends right after the ``k + 1``-th reduce-scatter before the last one, so ``k`` of
-them move); never past a node with side effects (a mutation, a random op) or a
-tensor-parallel collective. ``k`` is the one decision that depends on shapes (through
-the compute model): a function's first compile agrees on the smallest ``k`` of all
-ranks (``agreement.agree_kept``, in the store, as ``schedule_free``'s keep plan) and
-its recompiles reuse it (``SESSION.defer_plans``), so ranks whose inputs differ in
-shape, and a rank recompiling alone, issue their reduce-scatters in the same order.
-At 6416b1c (matmuls at remat's 400 TFLOP/s, half the real rate) W2 on 2
-H200s deferred about half of what covers the table gradient: exposed communication
-3.4 -> 2.9% of the step, 138.3 -> 137.7 ms. Under ``memory_budget`` a rank's own
-``k`` drops to 0 before the agreement when its order would raise the static memory
-estimate over the budget (the deferred matmuls keep their inputs a little longer).
-Moves nodes only; a wait whose collective stays is not moved. No-op in a graph
-without graphcomp's reduce-scatters, or when everything before the last one is its
-ancestor.
+node's users need moves with it, so the order stays topological) until the modelled
+compute time of what moved reaches the modelled time of the last reduce-scatter and
+of the reduce-scatters that move with it (they now run after it): input bytes times
+``(W - 1) / W`` over ``COLLECTIVE_BYTES_PER_S``; matmuls at ``MATMUL_FLOPS_PER_S``
+(an H200's dense bf16 rate), other ops by ``remat``'s cost model. The cut is made in
+whole units, each ending at one reduce-scatter (the cut ends right after the
+``k + 1``-th reduce-scatter before the last one, so ``k`` of them move); never past a
+node with side effects (a mutation, a random op) or a tensor-parallel collective. ``k``
+is the one decision that depends on shapes (through the compute model): a function's
+first compile agrees on the smallest ``k`` of all ranks (``agreement.agree_kept``,
+in the store, as ``schedule_free``'s keep plan) and its recompiles reuse it
+(``SESSION.defer_plans``), so ranks whose inputs differ in shape, and a rank
+recompiling alone, issue their reduce-scatters in the same order. Modelling matmuls
+slower than they run (``remat``'s conservative rate) would defer too little, each
+seeming to cover more than it does; on a GPU slower than the model the pass defers
+more than the collective needs (a little more memory). Under ``memory_budget`` a
+rank's own ``k`` drops to 0 before the agreement when its order would raise the
+static memory estimate over the budget (the deferred matmuls keep their inputs a
+little longer). Moves nodes only; a wait whose collective stays is not moved. No-op
+in a graph without graphcomp's reduce-scatters, or when everything before the last
+one is its ancestor.
 """
 
 from __future__ import annotations
@@ -63,12 +62,12 @@ from graphcomp.passes.remat import recompute_seconds
 
 c10d = torch.ops._c10d_functional
 
-COLLECTIVE_BYTES_PER_S = 250e9  # bus bandwidth of the cost model (W2's table gradient: 1.05 GB in 2.1 ms on 2 GPUs)
-MATMUL_FLOPS_PER_S = 790e12  # bf16 matmul rate the benchmark harness measures on an H200 (787 TFLOP/s)
+COLLECTIVE_BYTES_PER_S = 250e9  # bus bandwidth of the cost model: an NVLink-class link (Config.collective_bytes_per_s overrides it)
+MATMUL_FLOPS_PER_S = 790e12  # dense bf16 matmul rate of the cost model: an H200's
 
 
 def compute_seconds(node: fx.Node) -> float:
-    """Modelled seconds of ``node``: a matmul's flops at the measured bf16 rate (remat's
+    """Modelled seconds of ``node``: a matmul's flops at ``MATMUL_FLOPS_PER_S`` (remat's
     cost model uses half that, which is right for choosing what to recompute but
     would cover a collective with half the compute it needs), anything else by
     remat's model (bytes moved, launch)."""

@@ -2,9 +2,8 @@
 
 A sharded parameter gathered in bf16 (``param_dtype``, autocast) gets its gradient
 from a bf16 matmul, which the backward then upcasts to the reduce dtype (fp32)
-for the reduce-scatter: a separate kernel that reads the bf16 gradient and writes
-it again in fp32 (W2 on 2 H100s: 48 such kernels, 1.7 ms per step). This pass
-matches::
+for the reduce-scatter: a separate kernel per gradient that reads the bf16 gradient
+and writes it again in fp32. This pass matches::
 
     mm(a, b) [bf16] -> [t / view ...] -> convert(fp32) -> [view / pad ...] -> reduce_scatter
 
@@ -19,21 +18,21 @@ accumulation, stored without rounding to bf16 first. The gradient is therefore t
 matmul's fp32 result, not its bf16 rounding upcast: more precise (it is what
 Megatron-LM's gradient-accumulation fusion stores into its fp32 main gradient), and
 not bitwise the unfused graph's or FSDP2's ``reduce_dtype=float32`` gradients.
-The matmul writes twice the bytes of its bf16 output; the cast kernel (which read
-and wrote them all again) is gone. W2 on 2 H100s (668f8a3): 145.6 -> 143.7 ms per
-step (Triton pointwise -3.3 ms, matmul +1.5 ms); on a 4096-token wgrad the mean
-error against fp64 drops from 7.2e-2 to 2.2e-4 (``tests/gpu/test_grad_upcast_gpu.py``).
+The trade: the matmul writes twice the bytes of its bf16 output, and the cast
+kernel, which read the bf16 gradient and wrote it again in fp32, is gone (fewer
+bytes moved in all, one launch fewer per gradient); the error against an fp64
+reference shrinks by orders of magnitude (``tests/gpu/test_grad_upcast_gpu.py``).
 
 The input embedding's table gradient gets the same treatment::
 
     embedding_dense_backward(g [bf16]) -> [view ...] -> convert(fp32) -> reduce_scatter
 
 becomes ``embedding_dense_backward(convert(g, fp32))``: the op accumulates in fp32
-either way (CUDA's kernel and Inductor's decomposition), but then rounded the
-``[vocab, dim]`` sums to bf16 for the upcast to copy back to fp32. Now the fp32 sums
-are the reduce-scatter's input: one ``[vocab, dim]`` bf16 buffer and one fp32 copy
-fewer (W2: 0.5 + 1 GiB at the end of the backward), and a gradient without the bf16
-rounding (more precise; not bitwise the pass off).
+either way (CUDA's kernel and Inductor's decomposition); unfused, it rounds the
+``[vocab, dim]`` sums to bf16 for the upcast to copy back to fp32. Fused, the fp32
+sums are the reduce-scatter's input: one ``[vocab, dim]`` bf16 buffer and one fp32
+copy fewer at the end of the backward, and a gradient without the bf16 rounding
+(more precise; not bitwise the pass off).
 
 CUDA only (``aten::mm.dtype`` has no CPU kernel): no-op on other graphs. Skipped
 and counted: an upcast whose input is not a single-use matmul (a sum of two

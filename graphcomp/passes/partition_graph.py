@@ -34,8 +34,8 @@ distinct region once (``graphcomp.compiler.codegen``). Where
 pieces are captured, a region is a unit of compilation only: each node carries its
 region's index within its piece (``node.meta[REGION_META]``), the codegen compiles
 the regions apart and runs them in order inside the piece, and the piece is still
-captured as one CUDA graph (one graph per region made ``cudaGraphLaunch`` block the
-host once ~10 were queued: W3 on 2 H200s, cc0dbab). Where nothing is captured (CPU
+captured as one CUDA graph (one graph per region would make ``cudaGraphLaunch``
+block the host once about ten are queued). Where nothing is captured (CPU
 graphs, ``cudagraphs="off"``) the regions are eager pieces, each Inductor-compiled.
 ``compile_regions="auto"`` (the default) keeps the regions only in captured pieces
 of a graph with static shapes that cuts into at least ``Config.region_auto_min``
@@ -222,7 +222,7 @@ def fold_host_constants(gm: fx.GraphModule, to_users_device: bool = True) -> lis
     constants only (``lift_fresh_copy`` of a lifted ``torch.tensor(0)``, a CPU
     ``full([], v)``), and read the result as a tensor constant (``get_attr``) instead.
     Left in place, such a node is a CPU op and would cut the graph into an eager
-    piece on every call (TP's vocab-parallel embedding did, on 2 H100s, 2026-11-25);
+    piece on every call (DTensor's vocab-parallel embedding makes such nodes);
     folded, its device consumers read a constant (:func:`_reads_only_host_constants`).
     Random, mutating and uninitialized (``empty*``) ops are never folded.
 
@@ -231,12 +231,11 @@ def fold_host_constants(gm: fx.GraphModule, to_users_device: bool = True) -> lis
     * Inductor (True): a folded value whose users all compute on one device is
       stored on that device. Inductor copies a host constant into a device buffer
       at run time (``buf.copy_(const)``, a pageable host-to-device copy that fails
-      under capture: the TP run with Inductor on 2 H200s, 2026-11-26).
+      under capture).
     * eager FX code (False): it stays on the host. Eager kernels read a 0-dim host
       tensor as a launch scalar, and some read a 0-dim *device* tensor with
       ``.item()``, a device-to-host sync that fails under capture (``index_put``
-      with a boolean mask becomes ``masked_fill_(mask, value.item())``: the TP run
-      with eager codegen on 2 H200s, 2026-11-26, at 2507922).
+      with a boolean mask becomes ``masked_fill_(mask, value.item())``).
 
     Returns the names of the folded nodes."""
     folded: list[str] = []
@@ -261,7 +260,7 @@ def fold_host_constants(gm: fx.GraphModule, to_users_device: bool = True) -> lis
             with _compat.real_tensors():  # the compile's fake mode is active here
                 v = n.target(*args, **kwargs)
                 v = v.detach().clone() if _host_scalar(v) else v
-        except Exception as e:  # noqa: BLE001 - not foldable here: the node stays (and cuts, as before)
+        except Exception as e:  # noqa: BLE001 - not foldable here: the node stays (and cuts the graph)
             log.debug("graphcomp: host constant %s not folded: %s", n.name, e)
             continue
         if not _host_scalar(v):
@@ -336,12 +335,13 @@ def region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool = F
     anyway, and its pointwise consumers fuse in the next region as they would have),
     then the nearest to the anchor. The anchor itself, the first point after a
     wait with nothing in flight, often sits mid-block, where a block's intermediates
-    are live (W3's backward on 2 H200s: the SwiGLU recomputation apart from its
-    gradient, 20 ms a step). With ``in_flight_ok`` (regions compiled apart inside one
-    captured piece) a cut may leave a collective in flight, its wait in a later
-    region; otherwise positions keep the anchors' rule. A multi-output node and its
-    getitems are never cut apart. Identical blocks give anchors at the same offset in
-    every block, and so the same moved cuts: the regions stay identical."""
+    are live (in a block's backward, the SwiGLU recomputation cut from its gradient,
+    which then writes and reads back activation-sized values). With ``in_flight_ok``
+    (regions compiled apart inside one captured piece) a cut may leave a collective
+    in flight, its wait in a later region; otherwise positions keep the anchors'
+    rule. A multi-output node and its getitems are never cut apart. Identical blocks
+    give anchors at the same offset in every block, and so the same moved cuts: the
+    regions stay identical."""
     return _region_cuts(nodes, min_nodes, in_flight_ok)[0]
 
 
@@ -570,7 +570,7 @@ def split_graph(gm: fx.GraphModule, assign: dict[fx.Node, int]) -> PassResult:
         split = split_module(gm, None, cb, keep_original_order=True, keep_original_node_name=True)
     # a torch whose split_module builds plain GraphModules whatever the setting
     # (2.11): lazy from here on, so the recompiles below and after later passes only
-    # mark the code stale (each regenerated the glue and every piece)
+    # mark the code stale (each would regenerate the glue and every piece)
     split = _compat.lazy_graph_module(split)
     # split_module names submodules submod_<i>; rename to piece_<i>
     for n in split.graph.nodes:

@@ -17,13 +17,13 @@ choice for the parameter gathers (under ``reshard_after_forward="auto"`` or
 ``True``: every gather re-gathered in the backward; ``False`` / ``"except_last"``:
 the gathers those keep), then ``schedule_free`` keeps gathers in the room the plan
 leaves. Both are ways to spend the same memory, and per byte a saved activation is
-worth more: recomputing it is compute on the backward's critical path (a W3 block's
-forward, about a third of its step), while a re-gather is a collective that runs
-beside the backward's matmuls plus a cast and an unpack. The gathers' nodes (and
-their expanding reads) are ``schedule_free``'s to tag: never candidates here, never
-cleared. Under the default budget (``memory_budget="auto"``) the plan's budget is
-the same room ``schedule_free`` plans in: 0.9 of the device less room for the
-optimizer state and the gathers other compiled functions keep
+worth more: recomputing it is compute on the backward's critical path (a whole
+block's forward is about a third of its step), while a re-gather is a collective
+that runs beside the backward's matmuls plus a cast and an unpack. The gathers'
+nodes (and their expanding reads) are ``schedule_free``'s to tag: never candidates
+here, never cleared. Under the default budget (``memory_budget="auto"``) the
+plan's budget is the same room ``schedule_free`` plans in: 0.9 of the device less
+room for the optimizer state and the gathers other compiled functions keep
 (``schedule_free.reserved_bytes``).
 
 **What is a candidate.** A forward node that owns its storage (views, ``getitem``
@@ -56,11 +56,10 @@ candidate saved; while the estimated peak is over the budget, take the best-rank
 untried candidate whose saved interval covers the current peak position, and keep
 it if the peak (or the memory at that position, on a plateau) drops. Then prune:
 in worst-ranked-first order, drop any chosen recompute the budget no longer needs.
-Each candidate is tried at most once, so the pass ends after O(candidates)
-trials; a trial re-derives only the storages it touches plus one prefix sum over
-the graph (a 7.8k-node joint graph, 91 recomputes: 0.2-0.3 s on a CPU core). Ties
-go to graph order, and sets of nodes are iterated only for order-free sums and
-closures: every rank computes the same plan.
+Each candidate is tried at most once, so the pass ends after O(candidates) trials;
+a trial re-derives only the storages it touches plus one prefix sum over the
+graph, not a walk of it. Ties go to graph order, and sets of nodes are iterated
+only for order-free sums and closures: every rank computes the same plan.
 
 Under ``remat="auto"`` with user checkpoint regions the pass plans from two
 starting points and keeps the better: (a) every activation saved, then the greedy
@@ -507,7 +506,7 @@ def remat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         room = budget - p.after.peak_bytes
         if p.infeasible is None and room > 0 and user_bytes > 0:
             # the user's checkpointing recomputes activations the budget has room for:
-            # say so (remat="auto" would save what fits; W3 on 2 H200s: 1.03x -> 1.23x)
+            # say so (remat="auto" would save what fits and spend less time recomputing)
             ctx.count("room_under_budget_bytes", room)
             hint = (f"the user's activation checkpointing marks {len(recomputed)} values ({user_bytes} B) "
                     f"for recomputation while the estimated peak leaves {room} B of the budget unused: "

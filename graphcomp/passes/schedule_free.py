@@ -44,8 +44,8 @@ the store), so ranks whose first inputs differ in shape agree too. Without a bud
 resharded) logs a warning, is recorded, and reshards everything. A kept gather
 costs its gathered bytes from the forward to the backward and saves the
 backward's re-gather (its NCCL kernel, which shares the SMs with the backward's
-matmuls, and its cast and unpack copies): W2 on 2 H100s, 154.3 -> 149.1 ms per
-step, peak 20.17 -> 22.53 GiB (benchmarks/results, 4adcaf5). No tag uses
+matmuls, and its cast and unpack copies): faster steps for a higher peak
+(``benchmarks/results/README.md`` has the measurements). No tag uses
 ``ac_graph_id``: the partitioner's ``cleanup_recompute_tags`` compares ids only
 between tagged nodes that both have one, so untagged ids change nothing (same
 code in torch 2.11 and 2.13).
@@ -301,8 +301,8 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
 
     Groups are taken in order of re-gather cost per byte (ties in graph order) and
     each kept when the estimate with it stays under the budget. One estimate is a
-    pass over the graph, and W3-sized graphs have hundreds of gathers (one estimate
-    per gather took 22 s on a 32-layer graph of 290 gathers), so: if keeping them
+    pass over the graph, and a deep model's graph has hundreds of gathers (one
+    estimate per gather would take tens of seconds), so: if keeping them
     all fits, that is one estimate; else the longest prefix of the order that fits
     is found by bisection (the estimate only grows as groups are kept, so the
     one-by-one greedy keeps exactly that prefix and rejects the next group); then
@@ -311,9 +311,9 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
     forward and first backward read) at the position where that group's estimate
     peaked: there it adds at least the bytes that did not fit, on top of at least
     the same memory, so it would not fit either (a gather the backward never reads
-    costs nothing kept and is always tried). Until 2026-11-27 the rule skipped any
-    larger group, wherever the peak was, and so kept less than the greedy where a
-    larger group's window missed that peak (a hypothesis example found it).
+    costs nothing kept and is always tried). Skipping every larger group, wherever
+    its window lies, would keep less than the greedy where a larger group's window
+    misses that peak.
     ``recompute``: the nodes the partitioner recomputes as tagged (the user's
     checkpointing, ``remat``'s plan), for every estimate."""
     bwd = memory.backward_nodes(gm)

@@ -38,8 +38,8 @@ its original order) and the collective groups:
   reduce-scatter inputs in flight (the oldest is waited just before a new one
   would pass the cap: an input buffer stays allocated until its wait), not
   counting one that is larger than the cap on its own (the LM head's gradient:
-  waited when the next small one was ready, it stalled the backward's top for
-  most of its length).
+  waited as soon as the next small one is ready, it would stall the backward's top
+  for most of its length).
 
 Under a budget the schedule is checked against the full memory estimate (the
 plan's model leaves out moved reduce-scatters and post chains). If the configured
@@ -187,7 +187,7 @@ def plan(gm: fx.GraphModule, prefetch_bytes: int, budget: int | None, move_rs: b
         # a gather larger than the cap on its own (an embedding or LM-head table) moves
         # while the other gathers in flight hold at most half the cap (the final norm's
         # small weight, prefetched with the last block, must not pin the LM head to its
-        # use, as it did at W2): it overlaps the compute before its use instead of
+        # use): it overlaps the compute before its use instead of
         # waiting there, and one such buffer is the most prefetch adds
         alone = 0 < prefetch_bytes < g.nbytes
         if alone:
@@ -242,10 +242,9 @@ def plan(gm: fx.GraphModule, prefetch_bytes: int, budget: int | None, move_rs: b
     def over_cap(nbytes: int) -> bool:
         # one pending reduce-scatter larger than the cap on its own (the LM head's or
         # the embedding's gradient) is not counted while the others hold at most the
-        # cap: waiting it as soon as the next one is ready stalled the compute for
-        # most of its length (W2 on 2 H100s: the final norm's small gradient, ready
-        # right after the head's, forced the head's 2.8 ms reduce-scatter to be
-        # waited at the backward's top, 1.8 ms exposed per step)
+        # cap: waiting it as soon as the next one is ready would stall the compute for
+        # most of its length (the final norm's small gradient is ready right after the
+        # LM head's, at the backward's top)
         big = max((og.in_bytes for _, _, og in pending if og.in_bytes > prefetch_bytes), default=0)
         return pending_bytes - big + nbytes > prefetch_bytes
 
@@ -321,9 +320,9 @@ def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     # the configured cap; over the budget, the largest of its halvings that passes,
     # found by bisection (a smaller cap holds fewer bytes in flight, so passing is
-    # taken as monotone in the cap: one plan and one estimate per try; on W3's graphs
-    # under a 70 GiB cap the pass took 8 s with every halving tried in turn, against
-    # 0.4-0.7 s without a cap; the pick is verified either way),
+    # taken as monotone in the cap: one plan and one estimate per try, where trying
+    # every halving in turn multiplies the pass's time on a deep model; the pick is
+    # verified either way),
     # then no prefetch with reduce-scatters moved, then none at all, then the original order
     caps = [ctx.config.prefetch_bytes]
     while caps[-1] // 2 > 0:

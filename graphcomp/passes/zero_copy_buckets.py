@@ -34,11 +34,10 @@ Placement is kept: the grouped collective sits where ``schedule_prefetch`` issue
 the bucket, every member's wait where the bucket's wait was. The values are the
 same bytes (a gather copies, a reduction sums the same operands per element), so
 results are bitwise those of the flat bucket. Memory: the gathered ``[W * L]``
-buffer and the ``[W * L]`` reduce-scatter input are no longer allocated beside
-the members (the estimate of ``graphcomp.analysis.memory`` still counts the flat form: it
-runs on the joint graph, before this pass, and stays an upper bound).
-Measured on W2 (2 H100s, 2f3a990): copy kernels 3.36 -> 1.30 ms per step, the step
-148.4 -> 145.8 ms; W1 with the whole step captured 12.0 -> 11.5 ms.
+buffer and the ``[W * L]`` reduce-scatter input are not allocated beside the
+members (the estimate of ``graphcomp.analysis.memory`` still counts the flat form: it
+runs on the joint graph, before this pass, and stays an upper bound). Time: the
+copy kernels of every bucket leave the step; the collective is still one launch.
 
 Runs after ``schedule_prefetch`` on the partitioned graphs, so the passes that
 match a bucket's one-wait shape (``schedule_free``, ``schedule_prefetch``,
@@ -48,8 +47,8 @@ partitioner saved the whole bucket for the backward: the backward unpacks it), a
 reduce-scatter whose pack casts (members of another dtype) or whose member is not
 contiguous (a grouped collective reads each input as laid out). CPU graphs (gloo)
 stay flat unless ``FramePlan.zero_copy_cpu_graphs`` is set: gloo has no grouped
-reduce-scatter and runs one collective per member (2 ranks, 6 members: 5.6 vs 1.8 ms
-for the flat bucket). Tensor-parallel
+reduce-scatter and runs one collective per member, each bound by per-call latency
+(slower than the flat bucket). Tensor-parallel
 collectives (``graph_utils.is_foreign_collective``) are never buckets. No-op
 without buckets.
 """
@@ -95,7 +94,7 @@ def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
 
 def _items(gm: fx.GraphModule, src: fx.Node, n: int, before: fx.Node) -> list[fx.Node]:
     """``getitem(src, i)`` for ``i < n``, inserted before ``before``; each takes its
-    value from ``src``'s list (no fake run: hundreds of members per bucket on W3)."""
+    value from ``src``'s list (no fake run: a bucket may have hundreds of members)."""
     g = gm.graph
     with g.inserting_before(before):
         items = [g.call_function(operator.getitem, (src, i)) for i in range(n)]

@@ -438,8 +438,8 @@ class CudaGraphRunner:
             # Dynamo's compile leaves the first call's outputs in reference cycles
             # (a graph break's partial graph runs while compiling) until the cyclic
             # collector runs: collect once per capture before calling them held
-            # (HF GPT-2's logits were otherwise "held" at the second step, and every
-            # piece was captured again)
+            # (without it a Hugging Face model's logits read as "held" at the second
+            # step, and every piece would be captured again)
             for c, _ in conflicts:
                 c.collected = True
             gc.collect()

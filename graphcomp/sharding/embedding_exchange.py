@@ -5,9 +5,8 @@ every rank receives the full ``[vocab, dim]`` table (in ``param_dtype``) before 
 lookup, and its gradient, a dense ``[vocab, dim]`` tensor in ``reduce_dtype``, is
 reduce-scattered back. For a language model's input embedding that is the largest
 gather of the forward, issued first (nothing to overlap it with), and the largest
-reduce-scatter of the backward, issued last (nothing to overlap it with either): at
-W2 (vocabulary 128256 x 2048) 1.0-1.3 ms and 2.1 ms of each step on 2 H100s, the
-two largest pieces of communication no compute covers.
+reduce-scatter of the backward, issued last (nothing to overlap it with either):
+the two largest pieces of communication no compute covers.
 
 Exchanging, the ranks exchange tokens and rows instead of the table, inside
 compiled graphs (rank ``r`` holds rows ``r*c .. r*c+c-1``)::
@@ -21,10 +20,11 @@ Every output row is one rank's row plus zeros, so the forward is exactly the
 gathered lookup. The gradient is the same sum in another order (each row's
 contributions are added on the rank that holds it, in ``reduce_dtype``) and
 ``padding_idx`` rows get none, as with ``F.embedding``. The bytes on the wire are
-activation-sized: ``W*T*dim`` instead of ``vocab*dim`` (W2, 8192 tokens per rank:
-67 MB of bf16 rows and 67 MB of bf16 output gradients against a 525 MB table and a
-1 GB fp32 gradient). The output gradients are gathered in their own dtype and upcast
-to ``reduce_dtype`` after the gather (exact: every bf16 value is an fp32 value).
+activation-sized: ``W*T*dim`` instead of ``vocab*dim`` (fewer bytes whenever all
+ranks' tokens, ``W*T``, are fewer than the vocabulary; the output gradients cross in
+the compute dtype, not as an fp32 table gradient). The output gradients are gathered
+in their own dtype and upcast to ``reduce_dtype`` after the gather (exact: every
+bf16 value is an fp32 value).
 
 The exchange needs every rank to look up the same number of tokens ``T`` in the
 same step. How it is chosen (``graphcomp.shard(..., embedding=)``):
@@ -43,7 +43,7 @@ same step. How it is chosen (``graphcomp.shard(..., embedding=)``):
 * ``"gather"``: the table gather.
 
 When it applies: the module's class uses ``nn.Embedding.forward`` (a subclass that
-overrides it is gathered as before), ``max_norm`` is None, ``sparse`` and
+overrides it is gathered like any parameter), ``max_norm`` is None, ``sparse`` and
 ``scale_grad_by_freq`` are off, the weight is not tied to another module's
 parameter, the sharding is 1-D over the whole world, and the call is being compiled.
 Eager calls gather the table. ``shard`` logs which embeddings may exchange.
@@ -65,10 +65,10 @@ EMBEDDING_MODES = ("auto", "gather", "exchange")
 """``graphcomp.shard(..., embedding=)``: the first is the default."""
 
 AUTO_BACKENDS = ("nccl",)
-"""Process-group backends on which ``embedding="auto"`` may exchange: where it was
-measured to pay (W2 on 2 H200s: the table gather and its gradient's reduce-scatter
-leave the step). On gloo a lookup issues three collectives instead of two, each
-bound by per-call latency, so ``"auto"`` gathers there."""
+"""Process-group backends on which ``embedding="auto"`` may exchange: where it pays
+(the table gather and its gradient's reduce-scatter leave the step). On gloo a
+lookup issues three collectives instead of two, each bound by per-call latency, so
+``"auto"`` gathers there."""
 
 
 def applies(mod: nn.Module, base: type) -> str | None:
@@ -126,7 +126,7 @@ class _Exchange(torch.autograd.Function):
         all_g = _compat.funcol_all_gather(g, ctx.group_name, ctx.world_size)  # [W*T, dim]
         all_g = torch.where(mine.unsqueeze(-1), all_g.to(ctx.reduce_dtype), 0)
         # the rows' sums by the lookup's own backward kernel: on CUDA a sorted segment sum,
-        # deterministic (index_add's atomics are not, which broke bitwise-repeatable runs)
+        # deterministic (index_add's atomics are not: runs would not repeat bitwise)
         gl = torch.ops.aten.embedding_dense_backward(all_g, idx, ctx.chunk, -1, False) / ctx.world_size
         return None, gl.to(ctx.orig_dtype), None, None, None, None, None, None, None
 

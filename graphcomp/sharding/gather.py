@@ -114,15 +114,15 @@ class _GatherParam(torch.autograd.Function):
 @torch.library.custom_op("graphcomp::gather_shard", mutates_args=())
 def gather_shard(local: torch.Tensor, rows: int, shape: list[int], param_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype, group_name: str, world_size: int) -> torch.Tensor:
-    """A sharded parameter's gather as one op. Dynamo records it as one node, where
-    it speculated ``_GatherParam``'s forward and backward at every parameter access
-    (291 on W3, in the checkpoint regions too; on a 32-block CPU copy of W3 on two
-    ranks, bytecode tracing 22-25 s -> 11 s). AOTAutograd decomposes it
+    """A sharded parameter's gather as one op. Dynamo records it as one node instead
+    of speculating ``_GatherParam``'s forward and backward at every parameter access
+    (hundreds in a deep model, in its checkpoint regions too), a large share of
+    Dynamo's tracing time for such a model. AOTAutograd decomposes it
     (:data:`DECOMPOSITIONS`, passed by the backend to both codegens) into the same
     collectives and views, and its autograd formula is ``_GatherParam``'s, so the
     joint graph is the one the autograd.Function traced to. A ``torch.library`` op and
     not a ``torch.compiler.allow_in_graph`` function: a frame calling the latter loses
-    Dynamo's graph-break fallback when the backend fails (reverted b703a2c)."""
+    Dynamo's graph-break fallback when the backend fails."""
     return _gather_full(local, rows, shape, param_dtype, group_name, world_size)
 
 

@@ -24,7 +24,7 @@ the collective sequence depends only on which modules run::
 module's place in the backward order, which is the same on every rank because
 every rank runs the same modules). Under ``torch.compile`` the hooks do nothing
 while Dynamo traces them (``torch.compiler.is_compiling()`` is constant-folded to
-True) and reads gather where they are traced, as before. The hooks and the
+True) and reads gather where they are traced. The hooks and the
 property getters are never compiled as frames of their own (``_compat.
 skip_top_level_frames``): called from eager code (a module Dynamo gave up on, an
 eager loop) they run as Python. A read outside any forward of its module (user

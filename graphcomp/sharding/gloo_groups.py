@@ -2,14 +2,15 @@
 
 ``ProcessGroupGloo`` runs a group's collectives on 2 worker threads by default; two
 collectives of one group in flight then run at the same time, and on torch 2.13 that
-corrupts memory or deadlocks inside gloo (docs/heap-corruption.md: 5 failures in 16
-runs of the collective stress with 2 worker threads, none in 11 with 1). graphcomp
-keeps several collectives in flight (bucketed reduce-scatters in the backward,
-prefetched gathers), so ``graphcomp.shard`` on CPU parameters and a gloo group with
-more than one worker thread shards over a twin of that group instead: the same
-ranks and collective timeout, one worker thread (made once per group; every rank calls ``shard``). Its
-collectives then run one at a time, in issue order, while compute overlaps them as
-before. ``GRAPHCOMP_GLOO_SINGLE_THREAD=0`` keeps the group as given.
+corrupts memory or deadlocks inside gloo, rarely but reproducibly; with one worker
+thread the collective stress test does not reproduce it (docs/heap-corruption.md).
+graphcomp keeps several collectives in flight (bucketed reduce-scatters in the
+backward, prefetched gathers), so ``graphcomp.shard`` on CPU parameters and a gloo
+group with more than one worker thread shards over a twin of that group instead: the
+same ranks and collective timeout, one worker thread (made once per group; every
+rank calls ``shard``). Its collectives then run one at a time, in issue order, while
+compute still overlaps them. ``GRAPHCOMP_GLOO_SINGLE_THREAD=0`` keeps the group as
+given.
 
 Only a group spanning the whole world is twinned (``new_group`` is collective over
 the world; a subgroup's non-members never call ``shard``); a subgroup is kept, with

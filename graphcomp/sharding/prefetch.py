@@ -1,7 +1,7 @@
 """Cross-step prefetch: the next forward's table gather, issued during this step's optimizer.
 
-A language model's forward starts with the input embedding's table gather (W2: a
-525 MB bf16 all-gather, about 1.1 ms on 2 H200s) and nothing to overlap it with:
+A language model's forward starts with the input embedding's table gather (often
+its largest gather) and nothing to overlap it with:
 every later op needs the lookup. The table's shard is final once the optimizer has
 updated it, while the optimizer still has the other parameters to update. So:
 
@@ -18,7 +18,7 @@ updated it, while the optimizer still has the other parameters to update. So:
 A prefetched buffer is valid for the next forward only if the shard was not written
 since the gather was issued (its version counter; a replayed optimizer graph does not
 bump it, so the comparison is made against the value at issue). A stale or missing
-one makes the op gather as before; the decision depends only on what the ranks all
+one makes the op gather itself; the decision depends only on what the ranks all
 did (the same optimizer steps, the same writes), so every rank issues the same
 collectives in the same order. Writing a parameter on some ranks but not others
 between the optimizer step and the next forward breaks that (as it breaks the model).

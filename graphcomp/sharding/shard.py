@@ -257,7 +257,7 @@ def shard(
     naming the one to shard over. Parameters that tensor parallelism made DTensors
     on another dimension of the same mesh (``parallelize_module(model,
     mesh2d["tp"], plan)``) become 2-D DTensors, gathered over ``dp_dim`` only:
-    module code sees its TP DTensor as before (see ``graphcomp.sharding.mesh``).
+    module code still sees its TP DTensor (see ``graphcomp.sharding.mesh``).
 
     ``param_dtype``: dtype the gathered parameters are cast to for compute
     (floating parameters only; never wider than a parameter). ``reduce_dtype``:

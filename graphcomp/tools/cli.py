@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
         # handed over whole: argparse's REMAINDER drops a first token that looks like
-        # an option, so `graphcomp demo --steps 2` was an error of the outer parser
+        # an option, so `graphcomp demo --steps 2` would be an error of the outer parser
         from graphcomp.tools.demo import launch
 
         return launch(argv[1:])

@@ -251,7 +251,7 @@ def test_require_on_a_cpu_graph_raises():
 
 
 def test_public_functions_name_the_bad_argument():
-    """Loud refusals (issue 16): a wrong type or value raises TypeError/ValueError
+    """Loud refusals: a wrong type or value raises TypeError/ValueError
     naming the argument, before anything is compiled or sharded."""
     import torch.fx as fx
 

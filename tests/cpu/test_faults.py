@@ -1,4 +1,4 @@
-"""Fault tests (issue 16): one rank raising mid-step (forward, backward, optimizer)
+"""Fault tests: one rank raising mid-step (forward, backward, optimizer)
 or interrupted by Ctrl-C makes the other rank fail within a bounded time with a
 message, never hang; a
 checkpoint written during a step that then fails is complete, and one whose write

@@ -1,4 +1,4 @@
-"""A shortened run of tests/stress/gloo_stress.py in `make test` (issue 16).
+"""A shortened run of tests/stress/gloo_stress.py in `make test`.
 
 4 iterations on 2 gloo ranks, each a fresh compile of the sharded tiny Llama with
 graphcomp's defaults and 3 training steps, with glibc's heap checks on; every

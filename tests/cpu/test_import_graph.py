@@ -1,4 +1,4 @@
-"""graphcomp's import graph has no cycle (issue 17): every ``from . import x`` /
+"""graphcomp's import graph has no cycle: every ``from . import x`` /
 ``from .x import y`` in ``graphcomp/``, at module level or inside a
 function, is an edge; a cycle (even through a lazy import) fails with its path. And
 the installed CLI does not import the (unshipped) benchmarks package."""

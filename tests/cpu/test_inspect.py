@@ -282,7 +282,7 @@ def test_html_renders_in_a_headless_browser(tmp_path):
 
 def test_measured_peak_against_the_largest_estimate(tmp_path, monkeypatch):
     """runtime.json's ``memory`` (teardown, CUDA only) and ``graphcomp inspect``'s
-    measured-vs-estimated lines (issue 14: "the estimated vs measured peak")."""
+    measured-vs-estimated lines (the estimated vs measured peak)."""
     from graphcomp.tools.inspect_dumps import inspect_dir, largest_estimate
     from graphcomp.tools.inspect_html import render_html
     from graphcomp.runtime import manager

@@ -1,4 +1,4 @@
-"""Issue 4's end-to-end bar: the sharded, compiled Llama trains like an unsharded
+"""The end-to-end bar: the sharded, compiled Llama trains like an unsharded
 single-process eager reference, for every combination of the collective passes,
 on 2 and 4 gloo ranks, with and without gradient accumulation.
 

@@ -1,4 +1,4 @@
-"""graphcomp.capture_step (issue 13, whole-step option): the training step as one
+"""graphcomp.capture_step (the whole-step option): the training step as one
 graph, on CPU stand-in devices. A stand-in graph's capture runs the step once (that
 call's step: a CUDA capture executes nothing and the capture call then replays) and
 each replay runs the step function again, into the graph's outputs; what these tests

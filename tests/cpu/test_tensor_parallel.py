@@ -1,4 +1,4 @@
-"""Issue 15: ``graphcomp.shard(model, mesh=..., dp_dim="dp")`` over a model tensor
+"""``graphcomp.shard(model, mesh=..., dp_dim="dp")`` over a model tensor
 parallelism placed on ``mesh["tp"]`` (2-D: data parallel x tensor parallel).
 
 Training parity: 4 gloo ranks as a 2x2 mesh and 2 ranks as tp=2 (dp=1), the
