@@ -399,14 +399,14 @@ def test_inspect_shows_the_decision(tmp_path, capsys):
     assert "remat: saved activations kept / recomputed" in page and _fmt_bytes(tight) in page
 
 
-def test_readme_example_runs_and_prints_what_it_says(capsys):
+def test_docs_example_runs_and_prints_what_it_says(capsys):
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    sec = text[text.index("### Memory-budgeted rematerialization"):]
+    text = (Path(__file__).resolve().parents[2] / "docs" / "passes.md").read_text()
+    sec = text[text.index("### Example: `remat=\"auto\"` under a budget"):]
     code, printed = re.findall(r"```python\n(.*?)```.*?```\n(.*?)```", sec, re.S)[0]
-    exec(compile(code, "README.md (remat example)", "exec"), {"__name__": "readme_remat"})
+    exec(compile(code, "docs/passes.md (remat example)", "exec"), {"__name__": "docs_remat"})
     assert capsys.readouterr().out == printed
 
 
