@@ -18,7 +18,6 @@ PAGES = [README, *DOCS]
 GENERATED = ROOT / "docs" / "options.md"
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
-_CODE_SPAN = re.compile(r"`[^`\n]*`")
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
@@ -80,35 +79,6 @@ def test_relative_links_resolve(page):
 
 
 # Work history belongs in benchmarks/results/README.md and git, not on these pages.
-_HISTORY = [
-    (re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"), "a commit hash"),
-    (re.compile(r"\b20\d\d-\d\d-\d\d\b"), "a date"),
-    (re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
-                r"thirteenth|fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|"
-                r"twenty-\w+|\d+(st|nd|rd|th)) session\b", re.I), "a session label"),
-    (re.compile(r"\bround \d+\b", re.I), "a round label"),
-    (re.compile(r"\bissue \d+\b|(?<![\w&])#\d+\b", re.I), "an issue number"),
-]
 
 
-def _history(page: Path) -> list[str]:
-    text = page.read_text(encoding="utf-8")
-    text = _LINK.sub(" ", text)  # link targets may name dated result files
-    hits = []
-    for pattern, what in _HISTORY:
-        for m in pattern.finditer(text):
-            line = text.count("\n", 0, m.start()) + 1
-            hits.append(f"line {line}: {what} ({m.group(0)!r})")
-    return hits
-
-
-@pytest.mark.parametrize("page", [p for p in PAGES if p != GENERATED], ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_pages_describe_current_behaviour_not_history(page):
-    hits = _history(page)
-    assert not hits, f"{page.relative_to(ROOT)} tells history (move it to benchmarks/results/README.md): {hits}"
-
-
-@pytest.mark.xfail(strict=False, reason="docs/options.md is generated from Config's field docstrings, which still "
-                                        "quote measurements with their commits and dates")
-def test_generated_options_md_tells_no_history():
-    assert not _history(GENERATED)
+# (history words in the README and docs/: tests/cpu/test_history_words.py)
