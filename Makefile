@@ -1,10 +1,11 @@
 # Two commands do everything on a fresh machine:
 #   make demo   install, then train the demo model on 2 ranks with backend="graphcomp"
 #   make test   install, then run the CPU test suite (what CI runs)
+#   make check  install, then the fast tier (tests/cpu/unit) for the inner loop
 PY ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-gpu clean
+.PHONY: install demo check test test-gpu clean
 
 # torch: a torch that is already installed is never replaced (the GPU machines bring
 # their own CUDA build); graphcomp needs >= 2.11 and stops with a message when the one
@@ -21,7 +22,7 @@ install:
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@$(PY) -m pip install -q -c constraints/cpu.txt pytest pytest-timeout hypothesis numpy transformers
 	@$(PY) -m pip install -q -c constraints/cpu.txt pytest-xdist 2>/dev/null || echo "[install] pytest-xdist not installable here (offline?): make test runs in one process"
-	@$(PY) -m pip install -q -c constraints/cpu.txt depyf 2>/dev/null || echo "[install] depyf not installable here (offline?): tests/cpu/test_debug_tools.py skips its depyf test"
+	@$(PY) -m pip install -q -c constraints/cpu.txt depyf 2>/dev/null || echo "[install] depyf not installable here (offline?): tests/cpu/distributed/test_debug_tools.py skips its depyf test"
 	@$(PY) -c "import torch, graphcomp; print(f'[install] torch {torch.__version__}, graphcomp {graphcomp.__version__} (editable, from this checkout)')"
 
 demo: install
@@ -35,6 +36,11 @@ demo: install
 XDIST ?= 2
 test: install
 	$(PY) -m pytest -q $$($(PY) -c "import xdist" 2>/dev/null && [ "$(XDIST)" != 0 ] && echo "-n $(XDIST) --dist loadfile") tests/cpu $(PYTEST_ARGS)
+
+# the inner loop: tests/cpu/unit (passes on hand-built graphs, config, docs, the
+# runtime on the CPU stand-in device; in-process, no rank processes)
+check: install
+	$(PY) -m pytest -q $$($(PY) -c "import xdist" 2>/dev/null && [ "$(XDIST)" != 0 ] && echo "-n $(XDIST) --dist loadfile") tests/cpu/unit $(PYTEST_ARGS)
 
 # on a GPU machine (see tests/gpu/README.md)
 test-gpu: install

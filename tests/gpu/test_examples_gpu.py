@@ -2,7 +2,7 @@
 trains, CUDA graphs capture without falling back, and a resume from the middle
 checkpoint continues with the uninterrupted run's losses.
 
-Not bitwise, unlike the CPU test (tests/cpu/test_examples.py): Inductor's backward of
+Not bitwise, unlike the CPU test (tests/cpu/models/test_examples.py): Inductor's backward of
 the embedding (and other scatter-adds) uses atomic adds on GPUs, so gradients may
 differ in their last bits between two runs; the losses of the steps after the resume
 are compared to 1e-3 relative."""

@@ -32,7 +32,7 @@ import torch
 
 from _dist import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "examples" / "train_llm.py"
 LAUNCH_TIMEOUT_S = 240
 

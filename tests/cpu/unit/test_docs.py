@@ -11,7 +11,7 @@ import pytest
 
 from graphcomp.tools import options_doc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
@@ -81,4 +81,4 @@ def test_relative_links_resolve(page):
 # Work history belongs in benchmarks/results/README.md and git, not on these pages.
 
 
-# (history words in the README and docs/: tests/cpu/test_history_words.py)
+# (history words in the README and docs/: tests/cpu/unit/test_history_words.py)

@@ -10,8 +10,8 @@ import graphcomp.compiler.pipeline
 from graphcomp.config import Config, field_docs
 from graphcomp.models import TinyMLP
 
-OPTIONS_MD = Path(__file__).resolve().parents[2] / "docs" / "options.md"
-PASSES_MD = Path(__file__).resolve().parents[2] / "docs" / "passes.md"
+OPTIONS_MD = Path(__file__).resolve().parents[3] / "docs" / "options.md"
+PASSES_MD = Path(__file__).resolve().parents[3] / "docs" / "passes.md"
 
 
 def test_defaults_validate():

@@ -309,7 +309,7 @@ def test_end_to_end_item_model_split_and_replayed(pretend_cuda, codegen):
                and min(p["capture_seconds"].values()) >= 0 for p in captured), captured
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
     from benchmarks.measure import graphcomp_pass_seconds
 
     secs = graphcomp_pass_seconds()

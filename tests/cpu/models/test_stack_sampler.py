@@ -8,7 +8,7 @@ from pathlib import Path
 
 from benchmarks import stack_summary
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = "import time\ndef waiting_here():\n    time.sleep(1.6)\nwaiting_here()\n"
 
 

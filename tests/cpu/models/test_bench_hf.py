@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import external, hf_adapter, hf_models, report, run, systems, workloads  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-STRESS = Path(__file__).resolve().parents[1] / "stress" / "gloo_stress.py"
+STRESS = Path(__file__).resolve().parents[2] / "stress" / "gloo_stress.py"
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import re
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # Blanked (replaced by spaces, so columns stay put) before the scan.
 _ALLOWED = re.compile(

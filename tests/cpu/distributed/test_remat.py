@@ -403,7 +403,7 @@ def test_docs_example_runs_and_prints_what_it_says(capsys):
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "passes.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "passes.md").read_text()
     sec = text[text.index("### Example: `remat=\"auto\"` under a budget"):]
     code, printed = re.findall(r"```python\n(.*?)```.*?```\n(.*?)```", sec, re.S)[0]
     exec(compile(code, "docs/passes.md (remat example)", "exec"), {"__name__": "docs_remat"})

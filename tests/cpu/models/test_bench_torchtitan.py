@@ -15,7 +15,7 @@ in throwaway folders)::
     pip install --no-deps --target /tmp/tt .whl/torchtitan-*.whl .whl/tyro-*.whl \\
         .whl/docstring_parser-*.whl .whl/typeguard-*.whl .whl/typing_extensions-*.whl
     pip install --no-deps --target /tmp/triton triton
-    PYTHONPATH=/tmp/tt:/tmp/triton python -m pytest -q tests/cpu/test_bench_torchtitan.py -m slow
+    PYTHONPATH=/tmp/tt:/tmp/triton python -m pytest -q tests/cpu/models/test_bench_torchtitan.py -m slow
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import report, run, torchtitan_systems as tts, workloads  # noqa: E402
 from benchmarks.systems import Ctx, NotRun  # noqa: E402

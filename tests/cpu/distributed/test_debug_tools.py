@@ -1,6 +1,6 @@
 """graphcomp's graphs in the debugging tools users already have: depyf's dump
 directory (``depyf.prepare_debug``) and ``TORCH_LOGS`` / ``torch._logging.set_logs``.
-(``TORCH_TRACE`` + tlparse: tests/cpu/test_inspect.py.)"""
+(``TORCH_TRACE`` + tlparse: tests/cpu/distributed/test_inspect.py.)"""
 
 import os
 import subprocess
@@ -12,7 +12,7 @@ import torch
 
 from graphcomp.compiler.pipeline import PassSpec, temporary_registry
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _relu_to_sigmoid(gm, ctx):
