@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` model families as graphcomp users build them.
 
-One place that builds every HF model the tests (``tests/cpu/test_hf_zoo.py``,
+One place that builds every HF model the tests (``tests/cpu/models/test_hf_zoo.py``,
 ``tests/gpu/hf_zoo_worker.py``) and the benchmark (``--workload hf-<family>``) train,
 from a small config with random init (no download), ``use_cache=False`` and SDPA
 attention, as a new user would::
