@@ -1,9 +1,9 @@
 """Train a Hugging Face causal language model with graphcomp: a complete script to copy.
 
-    # 2 CPU ranks (gloo), the built-in tiny preset, synthetic data:
+    # 2 CPU ranks (gloo), the built-in tiny preset (random weights), synthetic data:
     torchrun --nproc-per-node 2 examples/train_llm.py --model tiny-llama --steps 20
 
-    # 8 GPUs (NCCL), a local HF model directory's config (random init), a token file:
+    # 8 GPUs (NCCL), the weights of a local HF model directory, a token file:
     torchrun --nproc-per-node 8 examples/train_llm.py --model /models/my-llama \
         --data train.bin --data-dtype uint16 --batch-size 4 --seq-len 2048 \
         --grad-accum 4 --steps 1000 --ckpt-dir ckpt --ckpt-interval 200
@@ -11,32 +11,48 @@
     # continue from the latest complete checkpoint (same world size and --steps):
     torchrun --nproc-per-node 8 examples/train_llm.py ... --ckpt-dir ckpt --resume
 
+    # any graphcomp.Config field: --option KEY=VALUE (VALUE is JSON, else a string);
+    # --codegen, --cudagraphs and --dump-dir are shorthands of their --option
+    torchrun ... examples/train_llm.py --option codegen=eager --option dump_dir=dumps \
+        --option memory_budget=0.8 --option 'passes={"remat": false}'
+
 The same command runs on CPUs (gloo) and GPUs (NCCL, one per rank); nothing is
 downloaded. What it does, in order:
 
-* model: ``AutoModelForCausalLM.from_config`` (random init, identical on every rank)
-  from a preset of this file (``--model tiny-llama``), a local model directory
-  (``--model DIR``) or a config file (``--config config.json``); ``--init-from``
-  loads local weights (a ``save_pretrained`` directory or a ``.safetensors`` file).
-  The model is built with ``attn_implementation="sdpa"`` and ``use_cache=False``.
+* model: a preset of this file (``--model tiny-llama``: random weights), or a local
+  model directory (``--model DIR``): its weights are loaded
+  (``AutoModelForCausalLM.from_pretrained``: ``model.safetensors``,
+  ``pytorch_model.bin`` or their sharded index files). A directory with a
+  ``config.json`` but no weights is an error unless ``--random-init`` asks for random
+  weights from its config (``--random-init`` also ignores weights that are there).
+  Start-up says which: ``weights: loaded from DIR (N tensors)`` or ``weights: random
+  (seed S)``. The model is built with ``attn_implementation="sdpa"``, ``use_cache=False``.
 * ``graphcomp.shard(model, param_dtype=bf16 on GPU)``: parameters become dim-0
-  shards (fp32 master weights, bf16 compute); then the loss function is compiled
-  with ``torch.compile(..., backend="graphcomp")``. Only the loss leaves the
-  compiled region (the logits never become an output).
-* AdamW, gradient accumulation (``--grad-accum``), ``clip_grad_norm_`` (global norm
-  over all shards), cosine learning rate with linear warm-up.
+  shards (fp32 master weights, bf16 compute); AdamW (``fused`` on CUDA) and a cosine
+  learning rate with linear warm-up (``LambdaLR``) are built on the shards.
+* ``graphcomp.train_step(model, opt, max_norm=--clip, grad_accum=--grad-accum,
+  scheduler=sched, options=--option...)``: one call is one optimizer step (forward
+  and the model's own ``labels=`` loss compiled with graphcomp, backward over the
+  micro-batches, clipping, AdamW and the scheduler; on CUDA the whole step becomes
+  one CUDA graph when that is safe).
 * data: synthetic sequences by default (learnable: each row is an arithmetic
   progression of token ids), or ``--data FILE.bin``, a memory-mapped flat array of
   uint16/uint32 token ids. Row ``i`` of global micro-batch ``g`` is drawn from a
   generator seeded with ``(--seed, g, i)``, so the stream depends only on the step:
   a resumed run reads exactly what the uninterrupted run would have read.
-* checkpoints (``--ckpt-dir``, every ``--ckpt-interval`` steps): model, optimizer,
-  scheduler, step and data position with ``torch.distributed.checkpoint``, written
+* checkpoints (``--ckpt-dir``, every ``--ckpt-interval`` steps): the train step's
+  ``state_dict()`` (model, optimizer, scheduler, step) with
+  ``torch.distributed.checkpoint`` plus ``trainer.json`` (world size, data), written
   to ``step_NNNNNNNN.tmp`` and renamed to ``step_NNNNNNNN`` only after every rank
   finished, so a crash mid-save never leaves a checkpoint ``--resume`` would pick up.
 * a progress line every ``--log-interval`` steps (rank 0): step, loss, lr, grad
   norm, tokens/s, MFU estimate, memory; ``--metrics-file`` also writes every step
   as a JSON line.
+* at the end (rank 0): graphcomp's counters and a health report
+  (``graphcomp.tools.health``): graph breaks, recompiles, pieces run eagerly and
+  CUDA-graph fallbacks with their reasons, whether the whole step is one graph,
+  the optimizer step's mode, tokens/s/GPU, MFU, peak memory, and one thing to try
+  for each problem found.
 
 Options: ``python examples/train_llm.py --help``.
 """
@@ -44,6 +60,7 @@ Options: ``python examples/train_llm.py --help``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -59,8 +76,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# Built-in model presets (LlamaConfig keyword arguments). "tiny-llama" trains in
-# seconds on CPU ranks; the others match graphcomp's benchmark workloads W1 and W2.
+# Built-in model presets (LlamaConfig keyword arguments), always random weights.
+# "tiny-llama" trains in seconds on CPU ranks; the others match graphcomp's benchmark
+# workloads W1 and W2.
 PRESETS: dict[str, dict] = {
     "tiny-llama": dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
@@ -78,17 +96,20 @@ PEAK_BF16_FLOPS = [("H200", 989.4e12), ("H100", 989.4e12), ("H800", 989.4e12), (
 
 CKPT_RE = re.compile(r"^step_(\d{8})$")
 DATA_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+# weight files of a save_pretrained directory, in the order from_pretrained prefers them
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}) or a local model directory with "
-                                   "config.json (default: --init-from's directory, else tiny-llama)")
-    m.add_argument("--config", help="a local config.json (overrides --model)")
-    m.add_argument("--init-from", help="local weights: a save_pretrained directory or a .safetensors file "
-                                       "(default: random init)")
+    m.add_argument("--model", default="tiny-llama",
+                   help=f"a preset ({', '.join(PRESETS)}; random weights) or a local model directory "
+                        "(save_pretrained: config.json and weights, which are loaded)")
+    m.add_argument("--random-init", action="store_true",
+                   help="random weights from --model DIR's config.json (needed when DIR holds no weights)")
     m.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="compute dtype of the gathered parameters (master weights stay fp32); "
                         "auto = bf16 on GPU, fp32 on CPU")
@@ -102,16 +123,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--warmup-steps", type=int, default=2, help="linear warm-up from lr/warmup to lr")
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
-    t.add_argument("--seed", type=int, default=0, help="model init and data sampling")
+    t.add_argument("--seed", type=int, default=0, help="random weights and data sampling")
     d = p.add_argument_group("data")
     d.add_argument("--data", help="a flat binary file of token ids (default: synthetic data)")
     d.add_argument("--data-dtype", choices=sorted(DATA_DTYPES), default="uint16")
     c = p.add_argument_group("compile")
-    c.add_argument("--codegen", choices=["inductor", "eager"], default="inductor",
-                   help="graphcomp's code generation (eager: no Inductor, fast to compile)")
-    c.add_argument("--cudagraphs", choices=["auto", "off", "require"], default="auto")
-    c.add_argument("--dump-dir", help="graphcomp graph dumps (read with `graphcomp inspect DIR`)")
-    c.add_argument("--no-compile", action="store_true", help="run the sharded model eagerly")
+    c.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a graphcomp.Config field for graphcomp.train_step (repeatable); VALUE is JSON, else a "
+                        "string: --option codegen=eager --option dump_dir=dumps --option max_captures=16")
+    c.add_argument("--codegen", choices=["inductor", "eager"], help="shorthand for --option codegen=...")
+    c.add_argument("--cudagraphs", choices=["auto", "off", "require"], help="shorthand for --option cudagraphs=...")
+    c.add_argument("--dump-dir", help="shorthand for --option dump_dir=... (read with `graphcomp inspect DIR`)")
     k = p.add_argument_group("checkpoints and logs")
     k.add_argument("--ckpt-dir", help="where step_NNNNNNNN checkpoints go (a directory every rank can reach)")
     k.add_argument("--ckpt-interval", type=int, default=0, help="save every N steps (0: only at the end)")
@@ -131,65 +153,133 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.resume and not args.ckpt_dir and args.resume == "latest":
         p.error("--resume without a path needs --ckpt-dir")
+    try:  # bad input is refused here, on every rank, before any process group exists
+        short = {k: getattr(args, k) for k in ("codegen", "cudagraphs", "dump_dir") if getattr(args, k) is not None}
+        args.options = parse_options(args.option, short)
+        args.weights = resolve_model(args)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
+def parse_options(items: list[str], shorthands: dict | None = None) -> dict:
+    """``--option KEY=VALUE`` items -> graphcomp.Config options. VALUE is parsed as JSON
+    (``16``, ``0.8``, ``true``, ``null``, ``["aten.nonzero"]``, ``{"remat": false}``),
+    else kept as a string (``codegen=eager``); mappings given twice are merged.
+    ``shorthands``: the values of ``--codegen``, ``--cudagraphs``, ``--dump-dir`` (an
+    ``--option`` of the same key must agree). An unknown KEY names the valid ones; a
+    bad VALUE raises graphcomp.Config's error."""
+    import graphcomp
+
+    valid = [f.name for f in dataclasses.fields(graphcomp.Config)]
+    options: dict = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--option {item!r}: expected KEY=VALUE (e.g. --option codegen=eager)")
+        if key not in valid:
+            raise ValueError(f"--option {key}: not a graphcomp.Config field; valid keys: {', '.join(valid)}")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if isinstance(value, dict) and isinstance(options.get(key), dict):
+            value = {**options[key], **value}
+        options[key] = value
+    for key, value in (shorthands or {}).items():
+        if key in options and options[key] != value:
+            raise ValueError(f"--{key.replace('_', '-')} {value} and --option {key}={json.dumps(options[key])} "
+                             "disagree: give one of them")
+        options[key] = value
+    try:
+        graphcomp.Config.from_options(options)
+    except ValueError as e:  # a bad value: Config's error, which names the field and its valid values
+        raise ValueError(f"--option: {e}") from None
+    return options
+
+
 # ---------------------------------------------------------------------------- model
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files of a save_pretrained directory (an index file with its shards)."""
+    for name in WEIGHT_FILES:
+        f = directory / name
+        if f.is_file():
+            if name.endswith(".index.json"):
+                shards = sorted(set(json.loads(f.read_text())["weight_map"].values()))
+                return [f] + [directory / s for s in shards]
+            return [f]
+    return []
+
+
+def count_tensors(files: list[Path]) -> int:
+    """Tensors stored in a weight file (or named by an index file)."""
+    f = files[0]
+    if f.name.endswith(".index.json"):
+        return len(json.loads(f.read_text())["weight_map"])
+    if f.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(f), framework="pt") as sf:
+            return len(list(sf.keys()))
+    return len(torch.load(f, map_location="cpu", mmap=True, weights_only=True))
+
+
+def resolve_model(args: argparse.Namespace) -> list[Path] | None:
+    """The weight files to load (None: random weights); raises ValueError for a
+    --model that is neither a preset nor a model directory, a directory without
+    config.json, or one without weights and without --random-init."""
+    if args.model in PRESETS:
+        return None
+    d = Path(args.model)
+    if not d.is_dir():
+        raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory "
+                         "(this script never downloads)")
+    if not (d / "config.json").is_file():
+        raise ValueError(f"--model {args.model!r}: no config.json in that directory (a save_pretrained directory "
+                         "has config.json and its weights)")
+    files = weight_files(d)
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"--model {args.model!r}: {files[0].name} names {missing[0].name}, which is not there")
+    if not files and not args.random_init:
+        raise ValueError(f"--model {args.model!r} has a config.json but no weights ({', '.join(WEIGHT_FILES)}): "
+                         "pass --random-init to train it from random weights, or point --model at a directory "
+                         "with weights")
+    return None if args.random_init else files
+
+
 def load_config(args: argparse.Namespace):
-    """The model config: --config file, a --model preset, or a --model directory."""
+    """The model config: a --model preset or the config.json of a --model directory."""
     from transformers import AutoConfig, LlamaConfig
 
-    if args.config:
-        if not os.path.isfile(args.config):
-            raise ValueError(f"--config {args.config!r} is not a file")
-        cfg = AutoConfig.from_pretrained(args.config, local_files_only=True)
-    elif args.model is None and args.init_from and os.path.isdir(args.init_from):
-        cfg = AutoConfig.from_pretrained(args.init_from, local_files_only=True)
-    elif (args.model or "tiny-llama") in PRESETS:
-        cfg = LlamaConfig(**PRESETS[args.model or "tiny-llama"])
-    elif os.path.isdir(args.model):
-        cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    if args.model in PRESETS:
+        cfg = LlamaConfig(**PRESETS[args.model])
     else:
-        raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
-                         "directory with a config.json (this script never downloads)")
+        cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
     cfg.use_cache = False
     return cfg
 
 
-def build_model(cfg, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    """Random init from ``args.seed`` (identical on every rank), or local weights."""
+def build_model(cfg, args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, str]:
+    """The model, identical on every rank, and how its weights came: loaded from
+    ``args.weights`` (resolve_model's files), or random from ``args.seed``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
     kw = dict(attn_implementation="sdpa", dtype=torch.float32)
-    if args.init_from and os.path.isdir(args.init_from):
-        model = AutoModelForCausalLM.from_pretrained(args.init_from, config=cfg, local_files_only=True, **kw)
+    if args.weights:
+        model, info = AutoModelForCausalLM.from_pretrained(args.model, config=cfg, local_files_only=True,
+                                                           output_loading_info=True, **kw)
+        bad = {k: sorted(v)[:5] for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
+        if bad:  # (from_pretrained would initialize those randomly, with a warning only)
+            raise ValueError(f"--model {args.model!r}: the weights do not match the model of its config.json: {bad}")
+        how = f"loaded from {args.model} ({count_tensors(args.weights)} tensors)"
     else:
         model = AutoModelForCausalLM.from_config(cfg, **kw)
-        if args.init_from:
-            if not args.init_from.endswith(".safetensors") or not os.path.isfile(args.init_from):
-                raise ValueError(f"--init-from {args.init_from!r}: expected a save_pretrained directory "
-                                 "or a .safetensors file")
-            from safetensors.torch import load_file
-
-            missing, unexpected = model.load_state_dict(load_file(args.init_from), strict=False)
-            tied = set(getattr(model, "_tied_weights_keys", None) or ())  # absent from the file when tied
-            if unexpected or [k for k in missing if k not in tied]:
-                raise ValueError(f"--init-from {args.init_from!r} does not match the model: "
-                                 f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        how = f"random (seed {args.seed})"
     model.config.use_cache = False
-    return model.to(device)
-
-
-class CausalLMLoss(torch.nn.Module):
-    """The compiled function: tokens in, mean next-token loss out."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+    return model.to(device), how
 
 
 def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
@@ -254,6 +344,11 @@ class Batches:
         x = torch.stack([self._row(g, first + j) for j in range(self.batch)]).to(device, non_blocking=True)
         return x, x  # labels = inputs: the model shifts them by one position
 
+    def step_batch(self, step: int, grad_accum: int, device: torch.device) -> torch.Tensor:
+        """This rank's input ids of optimizer step ``step``: its ``grad_accum``
+        micro-batches stacked along dim 0 (graphcomp.train_step splits them again)."""
+        return torch.cat([self.get(step * grad_accum + k, device)[0] for k in range(grad_accum)])
+
 
 # ---------------------------------------------------------------------- checkpoints
 def lr_lambda(args: argparse.Namespace):
@@ -277,21 +372,21 @@ def complete_checkpoints(ckpt_dir: str) -> list[Path]:
     return sorted(out, key=lambda p: int(CKPT_RE.match(p.name).group(1)))
 
 
-def save_checkpoint(args, step: int, model, opt, sched, data: Batches, rank: int, world: int) -> Path:
+def save_checkpoint(args, done: int, step, data: Batches, rank: int, world: int) -> Path:
+    """``step.state_dict()`` (model, optimizer, scheduler, steps) with DCP, and
+    ``trainer.json``, into ``step_NNNNNNNN.tmp``, renamed once every rank is done."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    final = Path(args.ckpt_dir) / f"step_{step:08d}"
+    final = Path(args.ckpt_dir) / f"step_{done:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed before
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    trainer = {"step": step, "scheduler": sched.state_dict(), "world_size": world, "data": data.describe(),
+    trainer = {"step": done, "world_size": world, "data": data.describe(),
                # the data position: micro-batch g = step * grad_accum + micro reads rows seeded (seed, g, i)
-               "next_micro_batch": step * args.grad_accum, "stream": stream_shape(args)}
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+               "next_micro_batch": done * args.grad_accum, "stream": stream_shape(args)}
+    dcp.save(step.state_dict(), checkpoint_id=str(tmp))
     if rank == 0:
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
     dist.barrier()  # every rank's shards and DCP's .metadata are on disk
@@ -311,9 +406,9 @@ def stream_shape(args: argparse.Namespace) -> dict:
     return {"batch_size": args.batch_size, "seq_len": args.seq_len, "grad_accum": args.grad_accum}
 
 
-def load_checkpoint(path: Path, args, model, opt, sched, data: Batches, world: int) -> int:
+def load_checkpoint(path: Path, args, step, data: Batches, world: int) -> int:
+    """Load a checkpoint into ``step`` (a graphcomp.TrainStep); returns its step."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     trainer = json.loads((path / "trainer.json").read_text())
     if trainer["world_size"] != world:
@@ -326,11 +421,9 @@ def load_checkpoint(path: Path, args, model, opt, sched, data: Batches, world: i
     if trainer["stream"] != stream_shape(args):
         raise ValueError(f"checkpoint {str(path)!r} was trained with {trainer['stream']}, this run has "
                          f"{stream_shape(args)}: resume with the same --batch-size, --seq-len and --grad-accum")
-    model_sd, optim_sd = get_state_dict(model, opt)  # also creates the optimizer state to load into
-    state = {"model": model_sd, "optim": optim_sd}
+    state = step.state_dict()  # (also creates the optimizer state to load into)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    sched.load_state_dict(trainer["scheduler"])
+    step.load_state_dict(state)
     return int(trainer["step"])
 
 
@@ -346,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import graphcomp
     from graphcomp.runtime import teardown
+    from graphcomp.tools.health import format_health, health_report
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()
                                          and torch.cuda.device_count() > local_rank)
@@ -362,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args)
-        model = build_model(cfg, args, device)
+        model, weights = build_model(cfg, args, device)
         n_params = sum(p.numel() for p in model.parameters())  # before sharding: logical sizes
         data = Batches(args, cfg.vocab_size, rank, world)
         compute = {"auto": torch.bfloat16 if use_cuda else None, "bf16": torch.bfloat16, "fp32": None}[args.dtype]
@@ -370,18 +463,17 @@ def main(argv: list[str] | None = None) -> int:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                 weight_decay=args.weight_decay, fused=use_cuda or None)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
-        loss_fn = CausalLMLoss(model)
-        if not args.no_compile:
-            options = {"codegen": args.codegen, "cudagraphs": args.cudagraphs}
-            if args.dump_dir:
-                options["dump_dir"] = args.dump_dir
-            loss_fn = torch.compile(loss_fn, backend="graphcomp", options=options)
+        step = graphcomp.train_step(model, opt, max_norm=args.clip or None, grad_accum=args.grad_accum,
+                                    scheduler=sched, options=args.options)
 
         tokens_per_step = world * args.batch_size * args.seq_len * args.grad_accum
         fpt, peak = flops_per_token(cfg, n_params, args.seq_len), peak_flops(args, device)
         say(f"[train] {world} rank(s) on {'cuda/nccl' if use_cuda else 'cpu/gloo'}; "
             f"{type(model).__name__} {n_params / 1e6:.2f}M parameters; compute dtype "
             f"{compute or torch.float32}; {tokens_per_step} tokens/step; data {data.describe()['kind']}")
+        say(f"[train] model: {args.model}" + (" (preset)" if args.model in PRESETS else "") + f"; weights: {weights}")
+        if args.options:
+            say(f"[train] graphcomp options: {json.dumps(args.options)}")
 
         start = 0
         if args.resume:
@@ -395,41 +487,38 @@ def main(argv: list[str] | None = None) -> int:
             if path is None:
                 say(f"[train] no complete checkpoint in {args.ckpt_dir}: starting from step 0")
             else:
-                start = load_checkpoint(path, args, model, opt, sched, data, world)
+                start = load_checkpoint(path, args, step, data, world)
                 say(f"[train] resumed from {path} at step {start}")
 
-        pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []  # (step, loss, grad norm, lr)
+        pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float]] = []  # (step, loss, grad norm, lr)
         t_last, steps_since = time.perf_counter(), 0
-        for step in range(start, args.steps):
+        t_first, timed_steps = None, 0  # throughput over the run after its first step (which compiles)
+        for i in range(start, args.steps):
             lr = sched.get_last_lr()[0]
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(args.grad_accum):
-                x, y = data.get(step * args.grad_accum + micro, device)
-                loss = loss_fn(x, y)
-                (loss / args.grad_accum).backward()
-                loss_sum += loss.detach()
-            if args.clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            done = step + 1
-            pending.append((done, loss_sum / args.grad_accum, norm.detach(), lr))
+            x = data.step_batch(i, args.grad_accum, device)  # grad_accum micro-batches, split by train_step
+            loss = step(input_ids=x, labels=x)  # labels = inputs: the model shifts them by one position
+            done = i + 1
+            norm = step.last_norm
+            pending.append((done, loss, None if norm is None else norm.detach(), lr))
             steps_since += 1
+            if t_first is None:
+                if done < args.steps:
+                    loss.item()  # (the first step finished: time the rest)
+                t_first = time.perf_counter()
+            else:
+                timed_steps += 1
 
             if done % args.log_interval == 0 or done == args.steps:
                 losses = torch.stack([p[1] for p in pending])
                 dist.all_reduce(losses)  # one host sync per log interval
                 losses = (losses / world).tolist()
-                norms = torch.stack([p[2] for p in pending]).tolist()
+                norms = [None if p[2] is None else float(p[2]) for p in pending]
                 dt = time.perf_counter() - t_last
                 tps = steps_since * tokens_per_step / dt
                 mfu = f"{100 * fpt * tps / world / peak:.1f}%" if peak else "n/a"
                 say(f"step {done}/{args.steps} | loss {losses[-1]:.4f} | lr {pending[-1][3]:.2e} | "
-                    f"grad-norm {norms[-1]:.3f} | {tps:,.0f} tok/s ({tps / world:,.0f}/rank) | MFU {mfu} | "
+                    f"grad-norm {norms[-1] if norms[-1] is None else format(norms[-1], '.3f')} | "
+                    f"{tps:,.0f} tok/s ({tps / world:,.0f}/rank) | MFU {mfu} | "
                     f"{memory_text(device)} | {dt / steps_since:.3f} s/step"
                     + (" (includes compile)" if done - steps_since == start else ""))
                 if rank == 0 and args.metrics_file:
@@ -440,11 +529,18 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.ckpt_dir and ((args.ckpt_interval and done % args.ckpt_interval == 0) or done == args.steps):
                 t_save = time.perf_counter()
-                path = save_checkpoint(args, done, model, opt, sched, data, rank, world)
+                path = save_checkpoint(args, done, step, data, rank, world)
                 say(f"[train] checkpoint {path}")
                 t_last += time.perf_counter() - t_save  # the save is not training time
+                if t_first is not None:
+                    t_first += time.perf_counter() - t_save
         # what graphcomp did (frames compiled, CUDA-graph captures/replays/fallbacks, bytes gathered)
         say(f"[train] graphcomp counters: {json.dumps(dict(sorted(graphcomp.counters.items())))}")
+        tps = mfu_v = None
+        if timed_steps:
+            tps = timed_steps * tokens_per_step / (time.perf_counter() - t_first)
+            mfu_v = fpt * tps / world / peak if peak else None
+        say(format_health(health_report(step, tokens_per_s=tps, mfu=mfu_v, world=world)))
     finally:
         teardown()  # release CUDA graphs (and their NCCL work) first
         dist.destroy_process_group()
