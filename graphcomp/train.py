@@ -17,11 +17,13 @@ One call is one optimizer step:
   returns the mean of the ``N`` losses;
 * gradient clipping and the optimizer step run as :func:`graphcomp.optim.capture`
   (one CUDA graph, no host sync; a non-finite norm skips the update on the device);
-* after the first two calls, on CUDA, the whole of the above is captured as one CUDA
-  graph (:func:`graphcomp.capture_step`) when that is safe: the captured optimizer
-  step is itself captured and no frame compiled for the step has dynamic shapes.
-  Otherwise the step keeps running as compiled pieces and the reason is logged and
-  kept in :meth:`TrainStep.stats`;
+* after the first two calls in this process, on CUDA, the whole of the above is
+  captured as one CUDA graph (:func:`graphcomp.capture_step`: the third call warms
+  it up, the fourth captures it, later calls replay it) when that is safe: the
+  captured optimizer step is itself captured, no frame compiled for the step has
+  dynamic shapes, and twice the step's peak memory fits the memory budget (the whole
+  step's graph has its own memory pool). Otherwise the step keeps running as
+  compiled pieces and the reason is logged and kept in :meth:`TrainStep.stats`;
 * the scheduler steps on the host, after the optimizer (the captured optimizer reads
   the new learning rate without a re-capture).
 
@@ -134,6 +136,7 @@ class TrainStep:
         self.update = optim.capture(optimizer, max_norm=max_norm, cudagraphs=config.cudagraphs)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.steps = 0
+        self._calls = 0  # calls in this process (load_state_dict restores steps, not these)
         self.last_norm: torch.Tensor | None = None
         self._whole_step = whole_step
         self._capture_step = capture_step
@@ -142,7 +145,7 @@ class TrainStep:
 
     # ------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._whole is None and self.steps >= 2:
+        if self._whole is None and self._calls >= 2:
             self._decide_whole_step()
         fn = self._whole or self._step
         loss, norm = fn(*args, **kwargs)
@@ -150,6 +153,7 @@ class TrainStep:
         if self.scheduler is not None:
             self.scheduler.step()
         self.steps += 1
+        self._calls += 1
         return loss
 
     def _step(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +211,17 @@ class TrainStep:
                     f"{(self.update.stats().get('decisions') or ['?'])[-1]})")
         if SESSION.shape_following_code:
             return "a compiled frame has dynamic shapes (each new shape would re-capture the whole step)"
-        return None
+        return self._memory_reason()
+
+    def _memory_reason(self) -> str | None:
+        """The whole step's graph allocates from its own pool, beside the pieces' pool:
+        about one step's activations and temporaries more. Refused when twice this
+        process's peak so far would not fit the memory budget (CUDA parameters only)."""
+        dev = self.params[0].device if self.params else None
+        if dev is None or dev.type != "cuda":
+            return None
+        total = torch.cuda.get_device_properties(dev).total_memory
+        return whole_step_memory_reason(torch.cuda.max_memory_allocated(dev), total, self.config.memory_budget)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -237,6 +251,27 @@ class TrainStep:
         if self._whole:
             out["whole_step_capture"] = self._whole.stats()
         return out
+
+
+def whole_step_memory_reason(peak: int, total: int, budget: Any) -> str | None:
+    """Why a whole-step graph would not fit (None: it fits): its own pool needs about
+    the step's peak again, so ``2 * peak`` must stay within the budget
+    (``Config.memory_budget``: bytes, a fraction of ``total``, ``"auto"`` for
+    ``config.AUTO_BUDGET_FRACTION`` of it, None for all of it)."""
+    from graphcomp.config import AUTO_BUDGET_FRACTION
+
+    if budget is None:
+        limit = total
+    elif budget == "auto":
+        limit = int(AUTO_BUDGET_FRACTION * total)
+    elif isinstance(budget, float):
+        limit = int(budget * total)
+    else:
+        limit = int(budget)
+    if 2 * peak <= limit:
+        return None
+    return (f"its own memory pool would need about the step's peak again ({peak / 2**30:.2f} GiB) and twice "
+            f"that is over the memory budget ({limit / 2**30:.2f} GiB)")
 
 
 def _device_type(params: list[torch.Tensor]) -> str:

@@ -64,6 +64,7 @@ class CapturedStep:
         self.fold_clip = fold_clip
         self._fold_keep: list[Any] = []  # the exact fold's tables, which captured graphs read at every replay
         self._fold_why: str | None = "(not decided)"  # why the exact fold is not taken (the last reason said)
+        self.clip_folded = False  # whether the latest step (or capture) clipped inside the fused kernel
         self.error_if_nonfinite, self.skip = error_if_nonfinite, skip_nonfinite or error_if_nonfinite
         # how a captured step skips a non-finite update on the device: a conditional (IF)
         # graph node, or the fused optimizer's own found_inf (see _static_reason)
@@ -420,6 +421,7 @@ class CapturedStep:
                 why = clip_fold.probed(self.opt) if RUNTIME.device.capture_active() else clip_fold.probe(self.opt, device)
         if why is None:  # (the state, dtypes and layouts of each subset's tensors; their tables)
             why = clip_fold.prepare(self.opt, subsets)
+        self.clip_folded = why is None
         if why != self._fold_why:
             self._fold_why = why
             if why is None:
@@ -746,6 +748,10 @@ class CapturedStep:
         and reset the lr to the capture's value at every replay)."""
         if self._adopted and self.mode not in ("eager", "reference"):
             self._sync_lr()
+            if self.fold_clip == "auto" and self.max_norm is not None and not clip_fold.refusal(self.opt):
+                # the whole step's backward writes the gradients in that graph's own pool, at
+                # addresses no table was built for: pinned buffers the capture fills
+                clip_fold.reserve(self.opt, [p for p in self._params if p.requires_grad])
 
     def _outer_hook(self) -> str | None:
         """Before a replay of a whole-step graph holding this step: the lr refresh,
@@ -784,7 +790,8 @@ class CapturedStep:
             "name": self.name, "mode": self.mode, "reason": self.reason, "captured": self._graph is not None,
             "recaptures": self._recaptures, "gradients": "copied" if self._copy_mode else "in place",
             "grad_buffer_bytes": sum(b.numel() * b.element_size() for b in self._grad_bufs) if self._copy_mode else 0,
-            "skip_by": self.skip_by if self.skip else None, "decisions": list(self.decisions),
+            "skip_by": self.skip_by if self.skip else None, "clip_folded": self.clip_folded,
+            "decisions": list(self.decisions),
         }
 
     def release(self, final: bool = False) -> int:

@@ -228,35 +228,66 @@ _TABLES_CACHED = 16  # recent tables, by addresses (rebuilding them costs an eag
 _cache: dict[tuple, tuple[Any, ...]] = {}
 
 
-def _table(lists: list[list[torch.Tensor]], block: int) -> tuple[Any, ...] | None:
+def _table(lists: list[list[torch.Tensor]], block: int, build: bool = True) -> tuple[Any, ...] | None:
     """Device tables: int64 [7, T] (pointers of P, G, M, V, step; numels; whether
     torch's kernel takes the tensor's vectorized path, see ``TORCH_ILP``) and int32
     [2, B] (each program's tensor and block), copied from pinned memory (a copy a
     capture can record; a captured graph reads its host and device tables at every
     replay, so whoever captures keeps the tuple alive). Returns (table, blocks,
     number of blocks, aligned, host table, host blocks). Cached by the addresses and
-    sizes, which are all the tables hold. None inside a capture when not built before
-    (see :func:`prepare`)."""
+    sizes, which are all the tables hold.
+
+    Inside a capture nothing is cached (the copy runs only at the graph's replays, and
+    a later eager step finding it cached would read unwritten memory): tables built
+    before the capture are used, else one of the pinned buffers :func:`reserve` set
+    aside for these sizes is filled with the addresses the capture sees (a whole-step
+    capture: its backward writes the gradients in the graph's own pool) and belongs to
+    that graph. None when neither exists. ``build=False``: only whether one would be
+    found (nothing taken or built)."""
     numels = [t.numel() for t in lists[0]]
     key = (block, *(t.data_ptr() for lst in lists for t in lst), *numels)
     hit = _cache.get(key)
-    if hit is not None or RUNTIME.device.capture_active():
-        # (never built inside a capture: its copy would run only at the graph's replays,
-        # and a later eager step finding it cached would read unwritten memory)
+    capturing = RUNTIME.device.capture_active()
+    if hit is not None:
         return hit
+    spare = _reserved.get((block, *numels)) if capturing else None
+    if not build:
+        return () if (spare or not capturing) else None
+    if capturing and not spare:
+        return None
     dev = lists[0][0].device
     vec = [int(n % TORCH_ILP == 0 and all(lst[i].data_ptr() % (4 * TORCH_ILP) == 0 for lst in lists[:4]))
            for i, n in enumerate(numels)]
-    host = torch.tensor([[t.data_ptr() for t in lst] for lst in lists] + [numels, vec], dtype=torch.int64)
-    host, host_blocks = host.pin_memory(), block_table(numels, block).pin_memory()
+    rows = torch.tensor([[t.data_ptr() for t in lst] for lst in lists] + [numels, vec], dtype=torch.int64)
+    if capturing:
+        host, host_blocks = spare.pop()
+        host.copy_(rows)  # (host memory: not part of the graph; the graph's copy reads it at every replay)
+    else:
+        host, host_blocks = rows.pin_memory(), block_table(numels, block).pin_memory()
     table = torch.empty(host.shape, dtype=host.dtype, device=dev).copy_(host, non_blocking=True)
     blocks = torch.empty(host_blocks.shape, dtype=host_blocks.dtype, device=dev).copy_(host_blocks, non_blocking=True)
     aligned = all(t.data_ptr() % 16 == 0 for lst in lists[:4] for t in lst)
     out = (table, blocks, int(host_blocks.shape[1]), aligned, host, host_blocks)
-    while len(_cache) >= _TABLES_CACHED:
-        _cache.pop(next(iter(_cache)))
-    _cache[key] = out
+    if not capturing:
+        while len(_cache) >= _TABLES_CACHED:
+            _cache.pop(next(iter(_cache)))
+        _cache[key] = out
     return out
+
+
+_reserved: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def reserve(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Outside a capture: one pair of pinned host buffers per group of ``params``
+    (their tables' sizes), for a capture to fill with the gradient addresses it sees
+    (see :func:`_table`); a pair already set aside for the same sizes is reused."""
+    want = {id(p) for p in params}
+    for group in opt.param_groups:
+        numels = [_local(p).numel() for p in group["params"] if id(p) in want]
+        if numels and not _reserved.get((BLOCK, *numels)):
+            _reserved[(BLOCK, *numels)] = [(torch.empty((7, len(numels)), dtype=torch.int64).pin_memory(),
+                                            block_table(numels, BLOCK).pin_memory())]
 
 
 def launch(lists: list[list[torch.Tensor]], key: tuple, variant: int, coef: torch.Tensor,
@@ -300,14 +331,16 @@ def _subsets(opt: torch.optim.Optimizer, params: list[torch.Tensor]):
 def prepare(opt: torch.optim.Optimizer, subsets: list[list[torch.Tensor]]) -> str | None:
     """Outside a capture: build (and cache) the tables of each of ``subsets`` (the
     parameter lists the step will pass to :func:`step`), so that a capture finds them.
-    Inside one: None only if all are cached. Else why not."""
+    Inside one: None only if each is cached or has a buffer :func:`reserve` set aside.
+    Else why not."""
     for params in subsets:
         for group, ps in _subsets(opt, params):
             lists, why = group_tensors(opt, group, ps)
             if lists is None:
                 return why
-            if _table(lists, BLOCK) is None:
-                return "the kernel's tables were not built before this capture (the gradients moved?)"
+            if _table(lists, BLOCK, build=False) is None:
+                return ("the kernel's tables were not built before this capture and no buffer was set aside for "
+                        "them (the gradients moved?)")
     return None
 
 

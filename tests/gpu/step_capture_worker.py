@@ -109,7 +109,7 @@ def train(preset: str, whole: bool | str, rank: int, world: int, device: torch.d
     out = {"losses": losses, "norms": norms, "piece_replays": piece_replays, "counters": dict(graphcomp.counters),
            "host_ms_median": statistics.median(host_ms), "step_ms_median": statistics.median(step_ms),
            "stats": (ts.stats() if whole == "train_step" else run.stats()) if whole else None,
-           "optimizer": cstep.stats()["mode"]}
+           "optimizer": cstep.stats()["mode"], "clip_folded": cstep.stats()["clip_folded"]}
     graphcomp.runtime.teardown()
     return out, params, state
 
