@@ -124,15 +124,12 @@ class Session:
         # keeps from its forward to its backward; a graph's keep decision leaves room
         # for the others' (the graphs of one step hold theirs at the same time)
         self.kept_gather_bytes: dict[Any, int] = {}
-        # ... and the plan itself, per (function, digest of its gathers' sizes): the kept
-        # group indices, decided at its first compile and reused by recompiles
-        self.keep_plans: dict[Any, frozenset[int]] = {}
-        # function ((agreement epoch, Dynamo code id)) -> the (exchange group, token count) pairs its first
-        # compile's ranks agreed to exchange (pass embedding_exchange; recompiles reuse it)
-        self.exchange_plans: dict[Any, frozenset[tuple[str, int]]] = {}
-        # defer_weight_grads: per (function, digest of its reduce-scatters' sizes), how many
-        # reduce-scatters the last one is moved ahead of, agreed at its first compile
-        self.defer_plans: dict[Any, int] = {}
+        # plans agreed across ranks at a function's first compile and reused by its
+        # recompiles, per kind ("keep": schedule_free's kept gathers; "exchange": the
+        # embedding lookups that exchange tokens; "defer": defer_weight_grads' count),
+        # then per (function, digest of its graph). Passes reach it through
+        # PassContext.env (graphcomp.compiler.compile_env.CompileEnv)
+        self.plans: dict[str, dict[Any, Any]] = {}
         # where the backend writes its dumps (Config.dump_dir, rank): graphcomp.runtime's
         # teardown writes the run-time record (captured steps, counters) there too
         self.dump_target: tuple[str, int] | None = None
@@ -153,9 +150,7 @@ class Session:
         self.scopes.clear()
         self.shape_following_code.clear()
         self.kept_gather_bytes.clear()
-        self.keep_plans.clear()
-        self.exchange_plans.clear()
-        self.defer_plans.clear()
+        self.plans.clear()
         self.dump_target = None
 
 

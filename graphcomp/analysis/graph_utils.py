@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,23 +81,32 @@ def gradient_reduce_scatters(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if is_gradient_reduce_scatter(n)]
 
 
-def is_foreign_collective(node: fx.Node) -> bool:
-    """True for a collective that is not graphcomp's: once ``shard(mesh=...)`` has
-    sharded a model beside tensor parallelism, a collective on any group other than
-    those ``graphcomp.shard`` shards over (``SESSION.shard_groups``) is tensor
-    parallel's (DTensor may issue it on any of the equal meshes' groups, so the test
-    is "not ours", not "theirs"). The passes leave those alone: no fusing, bucketing,
-    freeing or moving. Without such a sharding (the 1-D path) nothing is foreign but
-    the token exchange of ``shard(embedding="exchange")``, on its own group."""
-    from graphcomp.session import SESSION
+FOREIGN = "graphcomp_foreign"
+"""Node meta key: True on a collective that is not graphcomp's (see :func:`mark_foreign`)."""
 
-    name = collective_group(node)
-    if name is not None and name in SESSION.exchange_groups:
-        return True  # shard(embedding="exchange")'s token exchange: activations, not parameters
-    groups = SESSION.shard_groups
-    if not any(groups.values()):
-        return False
-    return name is not None and name not in groups
+
+def mark_foreign(gm: fx.GraphModule, is_foreign_group: Callable[[str | None], bool]) -> int:
+    """Mark every collective of ``gm`` whose group ``is_foreign_group`` says is not
+    graphcomp's (``PassContext.env.is_foreign_group``: once ``shard(mesh=...)`` sharded a
+    model beside tensor parallelism, any group but those it shards over; the token
+    exchange groups of ``shard(embedding="exchange")``). The pipeline marks each stage
+    graph before its passes; collectives the passes create are graphcomp's. Returns
+    how many are foreign."""
+    n_foreign = 0
+    for n in gm.graph.nodes:
+        if collective_kind(n) is not None:
+            foreign = bool(is_foreign_group(collective_group(n)))
+            n.meta[FOREIGN] = foreign
+            n_foreign += foreign
+    return n_foreign
+
+
+def is_foreign_collective(node: fx.Node) -> bool:
+    """True for a collective marked not graphcomp's (:func:`mark_foreign`): tensor
+    parallel's collectives beside ``shard(mesh=...)``, token exchanges. The passes leave
+    those alone: no fusing, bucketing, freeing or moving. An unmarked node (a hand-built
+    graph, a collective a pass created) is graphcomp's."""
+    return bool(node.meta.get(FOREIGN, False))
 
 
 def attr_value(gm: torch.nn.Module, target: str) -> Any:

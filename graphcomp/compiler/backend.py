@@ -36,6 +36,7 @@ from graphcomp.analysis import graph_utils
 from graphcomp.analysis import memory
 from graphcomp.sharding import gather as shard_gather
 from graphcomp.config import Config
+from graphcomp.compiler.compile_env import CompileEnv
 from graphcomp.compiler.pipeline import PassContext, run_stage
 from graphcomp.compiler.plan import FramePlan, StageInputs
 from graphcomp.session import SESSION, FrameRecord
@@ -71,6 +72,7 @@ class FrameCompiler:
         if self.code_id is not None and graph_utils.has_symbolic_shapes(example_inputs):
             SESSION.shape_following_code.add(self.code_id)
         agreement.note_frame()
+        self.env = CompileEnv.of_session(SESSION)  # what the passes know beyond their graph
         info: dict[str, Any] = {
             "frame": self.frame_id,
             "compile_id": _compat.current_compile_id(),
@@ -98,6 +100,7 @@ class FrameCompiler:
             world_size=self.world_size,
             frame=self.plan,
             example_inputs=example_inputs,
+            env=self.env,
         )
         ops_in = graph_utils.op_counts(gm)
         nodes_in = len(gm.graph.nodes)

@@ -39,6 +39,7 @@ import torch.fx as fx
 from graphcomp import _compat
 from graphcomp.analysis import graph_utils
 from graphcomp.analysis import verify
+from graphcomp.compiler.compile_env import CompileEnv
 from graphcomp.compiler.plan import FramePlan
 from graphcomp.session import SESSION
 
@@ -266,6 +267,7 @@ class PassContext:
     record: PassRecord | None = None
     frame: FramePlan = field(default_factory=FramePlan)  # what the stages of this frame hand each other
     example_inputs: Any = None
+    env: CompileEnv = field(default_factory=lambda: CompileEnv.of_session(SESSION))  # groups, agreed plans, agreement
     _session_counts: dict[str, float] = field(default_factory=dict)
 
     def count(self, key: str, n: float = 1) -> None:
@@ -326,6 +328,7 @@ def run_stage(gm: fx.GraphModule, ctx: PassContext, dumper: Any = None) -> tuple
     records: list[PassRecord] = []
     counters = SESSION.counters
     gm = _compat.lazy_graph_module(gm)  # (each pass's recompile below then costs nothing until the code is used)
+    graph_utils.mark_foreign(gm, ctx.env.is_foreign_group)  # (tensor parallel's and token exchanges' collectives)
     if dumper is not None:
         dumper.graph(ctx.frame_id, ctx.stage, "input", gm)
     checking = verify.enabled(cfg, ctx.stage)

@@ -23,7 +23,7 @@ The exchange needs every rank to look up the same number of tokens. A lookup wit
 * at the function's first compile every rank of the exchange group looks up the
   same number of tokens there: the ranks publish ``lookup index: token count``
   through the store and exchange the lookups all of them share
-  (``agreement.agree_kept``, as ``schedule_free``'s keep plan; ``skipped:ranks_differ``).
+  (``ctx.env.agree_kept``, as ``schedule_free``'s keep plan; ``skipped:ranks_differ``).
   A recompile (a new shape, perhaps on one rank) reuses that plan: it exchanges a
   lookup only for a token count agreed at the first compile
   (``skipped:not_agreed``). With ``Config.rank_agreement`` off nothing is agreed and
@@ -42,11 +42,9 @@ import torch
 import torch.fx as fx
 from torch.nn import functional as F
 
-from graphcomp.compiler import agreement
 from graphcomp.analysis import graph_utils as gu
 from graphcomp.sharding.embedding_exchange import exchange_lookup
 from graphcomp.compiler.pipeline import PassContext, PassResult, register_pass
-from graphcomp.session import SESSION
 
 
 def _tables(gm: fx.GraphModule) -> list[fx.Node]:
@@ -123,8 +121,9 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             chosen.append((c[1], c[2]))
     code = ctx.frame.code_id
     # (the agreement's epoch: after torch._dynamo.reset() Dynamo numbers functions from 0 again)
-    key = None if code is None else (SESSION.agree_seq.get("epoch", 0), code)
-    prior = SESSION.exchange_plans.get(key) if key is not None else None
+    key = None if code is None else (ctx.env.epoch, code)
+    store = ctx.env.plans.setdefault("exchange", {})
+    prior = store.get(key) if key is not None else None
     for xgroup, cs in sorted(by_group.items()):
         static = [c for c in cs if c[3] is not None]
         _skip(ctx, "symbolic_tokens", len(cs) - len(static))
@@ -139,7 +138,7 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             items = [f"{c[0]}:{c[3]}" for c in static]
             digest = f"{len(cs)} lookups of gathered tables"
-            got = agreement.agree_kept(xgroup, str(code), digest, items, len(cs), ctx.config,
+            got = ctx.env.agree_kept(xgroup, str(code), digest, items, len(cs), ctx.config,
                                        plan="the token counts of its embedding lookups (embedding='auto')",
                                        counted="lookups", namespace="exchange",
                                        about=f"looks up {', '.join(items)} (lookup: tokens).")
@@ -149,7 +148,7 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             agreed_here.update((xgroup, c[3]) for c in ok)
         chosen.extend((c[1], c[2]) for c in ok)
     if key is not None and prior is None and by_group:
-        SESSION.exchange_plans[key] = frozenset(agreed_here)
+        store[key] = frozenset(agreed_here)
     if not chosen:
         return ctx.unchanged(gm, f"none of {len(cands)} lookups exchanges (see the skipped:* counts): "
                                  f"the tables are gathered")

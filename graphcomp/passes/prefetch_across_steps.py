@@ -35,7 +35,6 @@ import torch.fx as fx
 from graphcomp.analysis import graph_utils as gu
 from graphcomp.compiler.pipeline import PassContext, PassResult, register_pass
 from graphcomp.compiler.plan import EAGER_META
-from graphcomp.sharding.prefetch import PREFETCH
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -99,7 +98,7 @@ def _ancestors(nodes: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node] | None:
 
 @register_pass("prefetch_across_steps", stages=("fwd",), after=("schedule_prefetch",), before=("zero_copy_buckets",))
 def prefetch_across_steps(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    if not PREFETCH.enabled():
+    if not ctx.env.cross_step_prefetch:
         return ctx.unchanged(gm, "no graphcomp.optim.capture step with prefetch=True exists to issue the gather")
     if ctx.config.cudagraphs == "require":
         return ctx.unchanged(gm, "cudagraphs='require': the prefetched gather runs eagerly, which 'require' forbids")

@@ -31,14 +31,14 @@ activations it saves come first and gathers are kept in the room left (its modul
 docstring says why). Under the default budget (``"auto"``: 0.9 of a CUDA device's memory) less
 ``OPTIMIZER_STATE_FACTOR`` times the gathered shards' bytes, room for the
 optimizer state that lives outside the graph, and less the gathered bytes other
-compiled functions keep (``SESSION.kept_gather_bytes``: the frames of a step with
+compiled functions keep (``ctx.env.kept_gather_bytes``: the frames of a step with
 graph breaks hold theirs at the same time). The plan is decided at a function's
-first compile and reused by its recompiles (``SESSION.keep_plans``, per function
+first compile and reused by its recompiles (``ctx.env.agreed_plan``, per function
 and its gathers' sizes: the graphs of a function split at a graph break, or a
 recompile with other gathers, decide apart): a rank that recompiles alone for a new input shape
 must issue the gathers its peers' graphs issue, and an estimate of its new shapes
 could decide otherwise near the budget. At the first compile the ranks keep the
-intersection of what each one's estimate keeps (``agreement.agree_kept``, through
+intersection of what each one's estimate keeps (``ctx.env.agree_kept``, through
 the store), so ranks whose first inputs differ in shape agree too. Without a budget (the CPU default)
 "auto" reshards everything. An infeasible budget (over it even with everything
 resharded) logs a warning, is recorded, and reshards everything. A kept gather
@@ -77,17 +77,16 @@ import hashlib
 import logging
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from graphcomp import _compat
-from graphcomp.compiler import agreement
 from graphcomp.analysis import memory
 from graphcomp.analysis import graph_utils as gu
 from graphcomp.ops.collectives import OPS
 from graphcomp.compiler.pipeline import PassContext, PassResult, register_pass
-from graphcomp.session import SESSION
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -287,7 +286,7 @@ def reserved_bytes(ctx: PassContext, groups: list[GatherGroup]) -> tuple[int, in
     if ctx.config.memory_budget != "auto":
         return 0, 0
     key = plan_key(ctx, groups)
-    return optimizer_reserve(groups), sum(b for k, b in SESSION.kept_gather_bytes.items() if k != key)
+    return optimizer_reserve(groups), sum(b for k, b in ctx.env.kept_gather_bytes.items() if k != key)
 
 
 def regather_cost_per_byte(g: GatherGroup) -> float:
@@ -422,19 +421,10 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             default_budget = ctx.config.memory_budget == "auto"
             key = plan_key(ctx, groups)  # one plan per graph of a function
-            prior = SESSION.keep_plans.get(key)
-            if prior is not None:
-                # a recompile (a new input shape, perhaps on this rank alone): the
-                # function's first plan, so that every rank's graphs of it issue the
-                # same gathers whatever shapes each rank compiled for
-                kept = set(prior)
-                est = estimate(kept)
-                ctx.count("keep_plan_reused")
-                ctx.note(f"reshard_after_forward='auto': the plan of this function's first compile reused "
-                         f"({len(kept)} of {len(groups)} gathers kept), so ranks that recompile for different "
-                         f"shapes issue the same collectives; estimated peak {est.peak_bytes} bytes"
-                         + (f", over the budget of {budget}" if est.peak_bytes > budget else ""))
-            else:
+            first: dict[str, Any] = {}
+
+            def decide() -> frozenset[int]:
+                """This rank's keep plan at the function's first compile, agreed with its peers."""
                 reserve, others = reserved_bytes(ctx, groups)  # room for what the default budget cannot see
                 kept, est, reason = choose_kept(gm, groups, budget - reserve - others, ctx, recompute)
                 if reason is not None and (reserve or others) and est.peak_bytes <= budget:
@@ -445,15 +435,31 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                              f"{est.peak_bytes} bytes with every gather resharded, budget {budget} less "
                              f"{reserve + others} bytes reserved); every gather resharded")
                 if ctx.frame.code_id is not None:  # (a Dynamo frame: its peers compile it too)
-                    agreed = agreement.agree_kept(gu.collective_group(groups[0].coll), str(key[0]), key[1],
-                                                  sorted(kept), len(groups), ctx.config)
+                    agreed = ctx.env.agree_kept(gu.collective_group(groups[0].coll), str(key[0]), key[1],
+                                                sorted(kept), len(groups), ctx.config)
                     if len(agreed) != len(kept):
                         ctx.note(f"reshard_after_forward='auto': {len(kept)} gathers fit this rank's estimate, "
                                  f"{len(agreed)} every rank's: keeping those (the ranks' first inputs differ)")
                         ctx.count("keep_agreed_fewer", len(kept) - len(agreed))
                         kept = set(agreed)
                         est = estimate(kept)
-                SESSION.keep_plans[key] = frozenset(kept)
+                first.update(est=est, reason=reason, reserve=reserve, others=others)
+                return frozenset(kept)
+
+            plan, reused = ctx.env.agreed_plan("keep", key, decide)
+            kept = set(plan)
+            if reused:
+                # a recompile (a new input shape, perhaps on this rank alone): the
+                # function's first plan, so that every rank's graphs of it issue the
+                # same gathers whatever shapes each rank compiled for
+                est = estimate(kept)
+                ctx.count("keep_plan_reused")
+                ctx.note(f"reshard_after_forward='auto': the plan of this function's first compile reused "
+                         f"({len(kept)} of {len(groups)} gathers kept), so ranks that recompile for different "
+                         f"shapes issue the same collectives; estimated peak {est.peak_bytes} bytes"
+                         + (f", over the budget of {budget}" if est.peak_bytes > budget else ""))
+            else:
+                est, reason, reserve, others = first["est"], first["reason"], first["reserve"], first["others"]
                 if default_budget:
                     ctx.count("optimizer_reserve_bytes", reserve)
                     ctx.count("other_frames_kept_bytes", others)
@@ -463,7 +469,7 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                              f"{others} bytes other compiled functions keep")
             ctx.count("budget_bytes", budget)
             if default_budget:
-                SESSION.kept_gather_bytes[key] = sum(groups[i].held_bytes for i in kept)
+                ctx.env.kept_gather_bytes[key] = sum(groups[i].held_bytes for i in kept)
         if reason is not None:
             log.warning("graphcomp schedule_free (frame %s): %s", ctx.frame_id, reason)
             ctx.note(reason)

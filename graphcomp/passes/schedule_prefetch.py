@@ -65,7 +65,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from graphcomp.sharding import gloo_groups
 from graphcomp.analysis import memory
 from graphcomp.analysis import graph_utils as gu
 from graphcomp.ops.collectives import OPS
@@ -293,7 +292,7 @@ def schedule_prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         # is safe. Any other group: collectives stay waited in place, unless
         # FramePlan.prefetch_cpu_graphs=True opts in.
         groups = {gu.collective_group(n) for n in gm.graph.nodes if gu.collective_kind(n) is not None}
-        unsafe = sorted(str(g) for g in groups if not gloo_groups.is_serial(str(g)))
+        unsafe = sorted(str(g) for g in groups if not ctx.env.is_serial_group(str(g)))
         if unsafe:
             return ctx.unchanged(gm, f"CPU graph (gloo) with collectives on group(s) {', '.join(unsafe)}, which may "
                                      f"run several at once on gloo's worker threads (memory corruption or a hang "

@@ -24,7 +24,15 @@ aten = torch.ops.aten
 
 
 def trace(fn, *args):
-    return make_fx(fn, tracing_mode="fake")(*args)
+    """``fn`` traced to an aten graph, its collectives marked foreign or not as the
+    pipeline marks a stage graph (from the groups ``shard`` registered)."""
+    from graphcomp.analysis import graph_utils
+    from graphcomp.compiler.compile_env import CompileEnv
+    from graphcomp.session import SESSION
+
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    graph_utils.mark_foreign(gm, CompileEnv.of_session(SESSION).is_foreign_group)
+    return gm
 
 
 def gather(shard, world, group, rows=None, shape=None):
@@ -49,6 +57,9 @@ def run_pass(name, gm, stage="joint", code_id=None, **options):
     from graphcomp.compiler.pipeline import PassRecord
 
     ctx.record = PassRecord(name=name, stage=stage, enabled=True)
+    from graphcomp.analysis import graph_utils
+
+    graph_utils.mark_foreign(gm, ctx.env.is_foreign_group)  # (as run_stage does)
     gm = get_pass(name).fn(gm, ctx).gm
     gm.graph.lint()
     gm.recompile()

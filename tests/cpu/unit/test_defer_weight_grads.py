@@ -206,7 +206,9 @@ def test_ranks_move_the_fewest_any_rank_planned(fresh_session, monkeypatch):
         seen.update(kept=kept, n=n, namespace=kw.get("namespace"))
         return [0]  # a peer's model moved one
 
-    monkeypatch.setattr(dwg.agreement, "agree_kept", agree)
+    from graphcomp.compiler import agreement
+
+    monkeypatch.setattr(agreement, "agree_kept", agree)  # (what ctx.env.agree_kept asks)
     f, args = _backward()
     gm, rec = run_pass("defer_weight_grads", trace(f, *args), stage="bwd", code_id=8)
     assert seen == {"kept": [0, 1], "n": 3, "namespace": "defer"}

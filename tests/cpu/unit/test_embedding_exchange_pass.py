@@ -64,16 +64,16 @@ def test_auto_without_a_dynamo_frame_or_agreement_keeps_the_gather():
 def test_auto_first_compile_exchanges_static_counts_and_records_the_plan():
     # no process group here: the agreement keeps this rank's own list (one rank)
     code = 10**6 + 2
-    SESSION.exchange_plans.clear()
+    SESSION.plans.pop("exchange", None)
     gm, rec = run_pass("embedding_exchange", _graph(True, [6, None]), stage="dynamo", code_id=code)
     assert len(_exchanges(gm)) == 1 and counts(gm)[TABLE] == 1  # the symbolic lookup still reads it
     assert rec.counts == {"skipped:symbolic_tokens": 1}, rec.counts
     epoch = SESSION.agree_seq.get("epoch", 0)
-    assert SESSION.exchange_plans[(epoch, code)] == frozenset({("xg", 6)})
+    assert SESSION.plans["exchange"][(epoch, code)] == frozenset({("xg", 6)})
     # a recompile of the same function: only the agreed count exchanges
     gm, rec = run_pass("embedding_exchange", _graph(True, [6, 8]), stage="dynamo", code_id=code)
     assert len(_exchanges(gm)) == 1 and rec.counts == {"skipped:not_agreed": 1}, rec.counts
-    SESSION.exchange_plans.clear()
+    SESSION.plans.pop("exchange", None)
 
 
 def test_a_table_with_another_reader_is_left_alone():

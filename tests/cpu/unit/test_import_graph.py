@@ -75,3 +75,47 @@ def test_cli_does_not_import_benchmarks():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+# Passes are functions of (graph, context): what they know beyond the graph and the
+# config comes through PassContext.env (graphcomp.compiler.compile_env), never from
+# process-global state.
+_GLOBAL_STATE = {
+    "graphcomp.session": "the session (counters, plans, groups)",
+    "graphcomp.runtime": "the CUDA-graph runtime",
+    "graphcomp.runtime.manager": "the CUDA-graph runtime",
+    "graphcomp.compiler.agreement": "the agreement store (use ctx.env.agree_kept / ctx.env.agreed_plan)",
+    "graphcomp.sharding.prefetch": "the cross-step prefetch registry (use ctx.env.cross_step_prefetch)",
+    "graphcomp.sharding.gloo_groups": "the gloo group registry (use ctx.env.is_serial_group)",
+}
+_GLOBAL_NAMES = {"SESSION", "RUNTIME", "PREFETCH"}
+
+
+def global_state_reads(source: str) -> list[str]:
+    """What a module's source imports or names of graphcomp's process-global state."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        mods = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        out += [f"line {node.lineno}: imports {m} ({_GLOBAL_STATE[m]})" for m in mods if m in _GLOBAL_STATE]
+        if isinstance(node, ast.Name) and node.id in _GLOBAL_NAMES:
+            out.append(f"line {node.lineno}: reads {node.id}")
+    return out
+
+
+def test_no_pass_reads_process_global_state():
+    bad = {p.name: r for p in sorted((REPO / "graphcomp" / "passes").glob("*.py"))
+           if (r := global_state_reads(p.read_text()))}
+    assert not bad, f"passes reading process-global state (carry it in PassContext.env instead): {bad}"
+
+
+def test_the_global_state_check_finds_a_planted_read():
+    planted = "from graphcomp.session import SESSION\nfrom graphcomp.compiler import agreement\n" \
+              "def f(ctx):\n    return SESSION.plans\n"
+    found = global_state_reads(planted)
+    assert any("graphcomp.session" in f for f in found) and any("agreement" in f for f in found)
+    assert any("reads SESSION" in f for f in found)
+    assert global_state_reads("from graphcomp.compiler.pipeline import PassContext\n") == []

@@ -197,27 +197,27 @@ def test_cpu_graphs_stay_in_place_by_default_and_the_knob_reorders_them():
     assert res.changed and res.gm.code != code and _ahead(res.gm) == [0, 2, 2, 2]
 
 
-def test_cpu_graphs_on_a_one_thread_gloo_group_are_prefetched(monkeypatch):
+def test_cpu_graphs_on_a_one_thread_gloo_group_are_prefetched():
     """A CPU graph whose collectives all run on a gloo group with one worker thread
     (what graphcomp.shard gives CPU parameters: graphcomp.sharding.gloo_groups) is scheduled as
-    a CUDA graph is: there collectives run one at a time (docs/heap-corruption.md)."""
-    from graphcomp.sharding import gloo_groups
+    a CUDA graph is: there collectives run one at a time (docs/heap-corruption.md). The
+    pass learns which groups are serial from its context (PassContext.env)."""
+    from graphcomp.compiler.compile_env import CompileEnv
     from graphcomp.config import Config
     from graphcomp.compiler.pipeline import PassContext, PassRecord, get_pass
     from graphcomp.compiler.plan import FramePlan
 
-    monkeypatch.setattr(gloo_groups, "is_serial", lambda name: name == "g")
-    gm = _layers(4)
-    ctx = PassContext(config=Config.from_options({"prefetch_bytes": W_BYTES}), frame_id=0, stage="fwd",
-                      frame=FramePlan())
-    ctx.record = PassRecord(name="schedule_prefetch", stage="fwd", enabled=True)
-    res = get_pass("schedule_prefetch").fn(gm, ctx)
-    res.gm.recompile()
+    def run(serial: str):
+        ctx = PassContext(config=Config.from_options({"prefetch_bytes": W_BYTES}), frame_id=0, stage="fwd",
+                          frame=FramePlan(), env=CompileEnv(is_serial_group=lambda name: name == serial))
+        ctx.record = PassRecord(name="schedule_prefetch", stage="fwd", enabled=True)
+        res = get_pass("schedule_prefetch").fn(_layers(4), ctx)
+        res.gm.recompile()
+        return res, ctx
+
+    res, _ = run("g")
     assert res.changed and _ahead(res.gm) == [0, 2, 2, 2]
-    monkeypatch.setattr(gloo_groups, "is_serial", lambda name: name == "other")
-    gm = _layers(4)
-    ctx.record = PassRecord(name="schedule_prefetch", stage="fwd", enabled=True)
-    res = get_pass("schedule_prefetch").fn(gm, ctx)
+    res, ctx = run("other")
     assert not res.changed and "group(s) g" in ctx.record.reason
 
 

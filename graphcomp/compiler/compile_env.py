@@ -1,0 +1,92 @@
+"""What a pass may know beyond its graph and the config: ``PassContext.env``.
+
+Passes read no process-global state. The backend builds one :class:`CompileEnv` per
+compiled frame from the session (the one owned runtime object) and hands it to every
+pass through its context:
+
+* the process groups ``graphcomp.shard`` shards over, and the token-exchange groups
+  of ``shard(embedding="exchange")`` (which collectives are graphcomp's and which are
+  tensor parallel's or activations');
+* the plans agreed across ranks at a function's first compile, reused by its
+  recompiles (:meth:`CompileEnv.agreed_plan`), and the bytes of gathered parameters
+  other compiled graphs keep;
+* the agreement client (:meth:`CompileEnv.agree_kept`);
+* what the runtime offers: a cross-step prefetch provider, serial gloo groups.
+
+A pass that decides something every rank must decide alike writes it once::
+
+    plan, reused = ctx.env.agreed_plan("keep", key, lambda: ctx.env.agree_kept(...))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass
+class CompileEnv:
+    shard_groups: Mapping[str, bool] = field(default_factory=dict)
+    """Process-group names ``graphcomp.shard`` shards over -> True when sharded beside
+    tensor parallelism (``shard(mesh=...)``); while such a group exists, a collective on
+    any other group is tensor parallel's."""
+    exchange_groups: frozenset[str] = frozenset()
+    """Groups of ``shard(embedding="exchange")``'s token exchanges (activations)."""
+    plans: dict[str, dict[Any, Any]] = field(default_factory=dict)
+    """Plan kind -> key (a function and a digest of its graph) -> the plan its first
+    compile agreed on. Shared by the frames of the process, so recompiles find it."""
+    kept_gather_bytes: dict[Any, int] = field(default_factory=dict)
+    """Per graph of a step: the gathered-parameter bytes it keeps from forward to
+    backward (``reshard_after_forward="auto"`` leaves room for the others')."""
+    epoch: int = 0
+    """The agreement epoch (Dynamo numbers functions from 0 again after
+    ``torch._dynamo.reset()``; keys of plans carry it)."""
+    cross_step_prefetch: bool = False
+    """Whether a ``graphcomp.optim.capture`` step with ``prefetch=True`` exists to issue
+    the next forward's table gather (pass ``prefetch_across_steps``)."""
+    is_serial_group: Callable[[str], bool] = lambda name: False
+    """Whether the live process group ``name`` is a gloo group with one worker thread
+    (its collectives run one at a time: a CPU graph may keep several in flight)."""
+
+    @classmethod
+    def of_session(cls, session: Any) -> CompileEnv:
+        """The environment of a compile in this process (its stores are the session's)."""
+        from graphcomp.sharding import gloo_groups
+        from graphcomp.sharding.prefetch import PREFETCH
+
+        return cls(shard_groups=dict(session.shard_groups), exchange_groups=frozenset(session.exchange_groups),
+                   plans=session.plans, kept_gather_bytes=session.kept_gather_bytes,
+                   epoch=session.agree_seq.get("epoch", 0), cross_step_prefetch=PREFETCH.enabled(),
+                   is_serial_group=gloo_groups.is_serial)
+
+    def agreed_plan(self, kind: str, key: Any, decide: Callable[[], T]) -> tuple[T, bool]:
+        """The plan of ``kind`` for ``key``: the one recorded at the function's first
+        compile, and True; else ``decide()`` (this rank's plan, agreed with its peers),
+        recorded, and False. Recompiles reuse the first plan, so a rank that recompiles
+        alone for a new input shape issues the same collectives as its peers."""
+        store = self.plans.setdefault(kind, {})
+        if key in store:
+            return store[key], True
+        plan = decide()
+        store[key] = plan
+        return plan, False
+
+    def agree_kept(self, group: str | None, function: str, digest: str, kept: list[int], n_groups: int, cfg: Any,
+                   **kw: Any) -> list[int]:
+        """The indices every member of ``group`` keeps of this rank's ``kept`` (their
+        intersection; see :func:`graphcomp.compiler.agreement.agree_kept`)."""
+        from graphcomp.compiler import agreement
+
+        return agreement.agree_kept(group, function, digest, kept, n_groups, cfg, **kw)
+
+    def is_foreign_group(self, name: str | None) -> bool:
+        """Whether a collective on group ``name`` is not graphcomp's (tensor parallel's,
+        or a token exchange's): the passes leave those alone."""
+        if name is not None and name in self.exchange_groups:
+            return True
+        if not any(self.shard_groups.values()):
+            return False
+        return name is not None and name not in self.shard_groups
