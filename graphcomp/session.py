@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,10 @@ class Session:
         # then per (function, digest of its graph). Passes reach it through
         # PassContext.env (graphcomp.compiler.compile_env.CompileEnv)
         self.plans: dict[str, dict[Any, Any]] = {}
+        # graphcomp.shard's global optimizer step pre-hook (each optimizer's first step
+        # checks it holds no parameter shard() replaced) and the optimizers it checked
+        self.optimizer_hook: Any = None
+        self.optimizers_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         # where the backend writes its dumps (Config.dump_dir, rank): graphcomp.runtime's
         # teardown writes the run-time record (captured steps, counters) there too
         self.dump_target: tuple[str, int] | None = None

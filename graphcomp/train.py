@@ -89,6 +89,11 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
     """The optimizer must hold the model's current parameters: ``graphcomp.shard``
     replaces every parameter with its shard, so an optimizer built before it would
     update tensors the model no longer uses (training would change nothing)."""
+    from graphcomp.sharding.shard import stale_optimizer_error
+
+    err = stale_optimizer_error(optimizer, "graphcomp.train_step")
+    if err is not None:
+        raise err
     own = {id(p): name for name, p in model.named_parameters()}
     foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
     if foreign:

@@ -859,12 +859,15 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
 
 def optimizer_step_hooks(opt: Any) -> int:
     """How many step pre/post hooks would run in ``opt.step()`` (its own and the
-    global ones registered with ``torch.optim.optimizer.register_optimizer_step_*_hook``)."""
+    global ones registered with ``torch.optim.optimizer.register_optimizer_step_*_hook``),
+    graphcomp's own (marked ``_graphcomp_own``: cheap checks, not part of the update) not counted."""
     from torch.optim import optimizer as _opt
 
-    n = len(getattr(opt, "_optimizer_step_pre_hooks", {}) or {}) + len(getattr(opt, "_optimizer_step_post_hooks", {}) or {})
-    n += len(getattr(_opt, "_global_optimizer_pre_hooks", {}) or {}) + len(getattr(_opt, "_global_optimizer_post_hooks", {}) or {})
-    return n
+    hooks = [*(getattr(opt, "_optimizer_step_pre_hooks", {}) or {}).values(),
+             *(getattr(opt, "_optimizer_step_post_hooks", {}) or {}).values(),
+             *(getattr(_opt, "_global_optimizer_pre_hooks", {}) or {}).values(),
+             *(getattr(_opt, "_global_optimizer_post_hooks", {}) or {}).values()]
+    return sum(not getattr(h, "_graphcomp_own", False) for h in hooks)  # (graphcomp's own checks run anyway)
 
 
 def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:

@@ -157,6 +157,11 @@ def capture(
         raise TypeError(f"graphcomp.optim.capture: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not any(len(g["params"]) for g in optimizer.param_groups):
         raise ValueError("graphcomp.optim.capture: the optimizer has no parameters (optimizer.param_groups is empty)")
+    from graphcomp.sharding.shard import stale_optimizer_error
+
+    err = stale_optimizer_error(optimizer, "graphcomp.optim.capture")
+    if err is not None:
+        raise err
     if max_norm is not None:
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (math.isfinite(max_norm) and max_norm > 0):
             raise ValueError(f"graphcomp.optim.capture: max_norm must be a finite number > 0 or None, got {max_norm!r}")

@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from graphcomp import _compat
+from graphcomp.errors import OptimizerParamsError
 from graphcomp.sharding import embedding_exchange
 from graphcomp.sharding import gather_scope
 from graphcomp.sharding import gloo_groups
@@ -165,6 +166,53 @@ def shard_info(module: nn.Module, name: str) -> ShardInfo:
         return module.__dict__[_INFO_ATTR][name]
     except KeyError:
         raise KeyError(f"{type(module).__name__} has no parameter {name!r} sharded by graphcomp.shard()") from None
+
+
+# ------------------------------------------------- optimizers built too early
+_REPLACED = "_graphcomp_replaced_by_shard"  # on a parameter shard() replaced: the fqn of its shard
+
+
+def replaced_parameters(params: Any) -> list[tuple[torch.Tensor, str]]:
+    """The tensors of ``params`` that :func:`shard` replaced with shards, with the name
+    of the parameter that replaced each."""
+    return [(p, p.__dict__[_REPLACED]) for p in params if isinstance(p, torch.Tensor) and _REPLACED in p.__dict__]
+
+
+def stale_optimizer_error(opt: torch.optim.Optimizer, where: str) -> OptimizerParamsError | None:
+    """The error for an optimizer that holds parameters ``shard`` replaced (None: it
+    holds none): stepping it would update tensors the model no longer uses."""
+    stale = replaced_parameters(p for g in opt.param_groups for p in g["params"])
+    if not stale:
+        return None
+    return OptimizerParamsError(
+        f"{where}: {type(opt).__name__} holds {len(stale)} parameter(s) that graphcomp.shard replaced with shards "
+        f"(the first: {stale[0][1]!r}), so its steps would update tensors the model no longer uses and training "
+        f"would change nothing: build the optimizer after graphcomp.shard(model), from model.parameters()")
+
+
+def _check_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook (registered by the first :func:`shard`): each
+    optimizer's first step checks once that it holds no replaced parameter."""
+    from graphcomp.session import SESSION
+
+    if opt in SESSION.optimizers_checked:
+        return
+    err = stale_optimizer_error(opt, "graphcomp.shard")
+    if err is not None:
+        raise err
+    SESSION.optimizers_checked.add(opt)
+
+
+_check_optimizer_step._graphcomp_own = True  # (not a user hook: captured steps ignore it)
+
+
+def _watch_optimizers() -> None:
+    from graphcomp.session import SESSION
+
+    if SESSION.optimizer_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        SESSION.optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer_step)
 
 
 # ---------------------------------------------------------------- validation
@@ -349,6 +397,7 @@ def shard(
         _, infos = per_module.setdefault(id(mod), (mod, {}))
         infos[pname] = info
         mod._parameters[pname] = newp
+        p.__dict__[_REPLACED] = info.fqn  # (an optimizer still holding it raises: _check_optimizer_step)
 
     exchanging, xname = [], None
     for mod, infos in per_module.values():
@@ -370,6 +419,7 @@ def shard(
         mod.register_state_dict_post_hook(_state_dict_post_hook)
         mod.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     mesh_sharding.register(group_name, two_d)
+    _watch_optimizers()
     if exchanging:
         log.info("graphcomp.shard: embedding=%r: compiled lookups of %s exchange tokens instead of gathering "
                  "the table%s", embedding, ", ".join(exchanging),
