@@ -20,7 +20,7 @@ install:
 	  $(PY) -m pip install -q -c constraints/cpu.txt torch==2.13.0; \
 	fi
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	@$(PY) -m pip install -q -c constraints/cpu.txt pytest pytest-timeout hypothesis numpy transformers
+	@$(PY) -m pip install -q -c constraints/cpu.txt pytest pytest-timeout hypothesis numpy transformers accelerate
 	@$(PY) -m pip install -q -c constraints/cpu.txt pytest-xdist 2>/dev/null || echo "[install] pytest-xdist not installable here (offline?): make test runs in one process"
 	@$(PY) -m pip install -q -c constraints/cpu.txt depyf 2>/dev/null || echo "[install] depyf not installable here (offline?): tests/cpu/distributed/test_debug_tools.py skips its depyf test"
 	@$(PY) -c "import torch, graphcomp; print(f'[install] torch {torch.__version__}, graphcomp {graphcomp.__version__} (editable, from this checkout)')"

@@ -6,6 +6,10 @@
 | ``GRAPHCOMP_DEBUG`` | ``1`` turns on ``Config.debug`` by default |
 | ``GRAPHCOMP_AGREE_TIMEOUT`` | seconds the eager ``GRAPHCOMP_DEBUG`` rank-agreement check waits for the other ranks (default 60) |
 | ``GRAPHCOMP_LOG`` | log level of the ``graphcomp`` logger (``INFO``, ``DEBUG``, ...) |
+
+It also reads the launcher's ``WORLD_SIZE`` (``torchrun``), with which
+``graphcomp.integrations.hf_trainer`` tells a job of several ranks that ``Trainer``
+would run as one process.
 """
 
 from __future__ import annotations
@@ -38,3 +42,13 @@ def agree_timeout() -> float:
     if not 0 < t < float("inf"):
         raise ValueError(f"GRAPHCOMP_AGREE_TIMEOUT: expected a number of seconds > 0, got {v!r}")
     return t
+
+
+def launched_world_size() -> int:
+    """The number of ranks the launcher (``torchrun``) started, from ``WORLD_SIZE``; 1
+    when unset or not a number."""
+    v = os.environ.get("WORLD_SIZE", "").strip()
+    try:
+        return max(1, int(v)) if v else 1
+    except ValueError:
+        return 1

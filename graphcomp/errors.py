@@ -59,3 +59,11 @@ class OptimizerParamsError(ValueError):
     model's parameters (typically: built before ``graphcomp.shard(model)``, which
     replaces every parameter with its shard): it would update tensors the model no
     longer uses."""
+
+
+class TrainerConfigError(ValueError):
+    """A ``transformers`` Trainer configuration that
+    ``graphcomp.integrations.hf_trainer.GraphcompTrainer`` would train wrong (another
+    system sharding or wrapping the model, fp16 without its loss scaler, ranks that
+    would each read the whole dataset, ...): the message names the option and what
+    to use instead."""

@@ -83,14 +83,15 @@ def shared_ranks4():
 # defer_weight_grads 60, rank_local_capture 55, inductor_order 43, sharding 42, faults
 # 40, prefetch_across_steps 34, step_capture 31, backend 30, debug_tools 26; the rest
 # 20 s or less (gloo_stress 18, listed since it starts a subprocess that could start
-# last). A file not listed keeps its place after these. The order within each module is
-# unchanged, and a run in one process keeps the collection order.
+# last; hf_trainer, 24 s alone with a cold Inductor cache, one task on the shared
+# ranks that compiles twice). A file not listed keeps its place after these. The order
+# within each module is unchanged, and a run in one process keeps the collection order.
 _SLOW_MODULES_FIRST = (
     "test_hf_zoo.py", "test_sharded_training.py", "test_embedding_exchange.py", "test_examples.py",
     "test_tensor_parallel.py", "test_remat.py", "test_bench_smoke.py", "test_chunk_lm_loss_e2e.py",
     "test_bench_hf.py", "test_defer_weight_grads.py", "test_rank_local_capture.py", "test_inductor_order.py",
     "test_sharding.py", "test_faults.py", "test_prefetch_across_steps.py", "test_step_capture.py",
-    "test_backend.py", "test_debug_tools.py", "test_gloo_stress.py",
+    "test_backend.py", "test_debug_tools.py", "test_hf_trainer.py", "test_gloo_stress.py",
 )
 
 

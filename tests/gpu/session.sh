@@ -59,6 +59,7 @@ GRAPHCOMP_GPU_RESULTS="$OUT" run soak 560 python -m pytest -q -p no:cacheprovide
 GRAPHCOMP_GPU_RESULTS="$OUT" run ranklocal2 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_soak_gpu.py -k different_steps
 # (soak: the test's own limit is GC_SOAK_TIMEOUT, default 540 s; keep SOAK*_T above it)
 GRAPHCOMP_GPU_RESULTS="$OUT" run soak2 ${SOAK2_T:-560} python -m pytest -q -p no:cacheprovider "tests/gpu/test_soak_gpu.py::test_soak_1000_steps_varying_lengths[2]"
+GRAPHCOMP_GPU_RESULTS="$OUT" run trainer ${TRAINER_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_trainer_gpu.py
 GRAPHCOMP_GPU_RESULTS="$OUT" run diverge 300 python -m pytest -q -p no:cacheprovider tests/gpu/test_divergence_gpu.py
 GRAPHCOMP_GPU_RESULTS="$OUT" run wholestep ${WS_T:-540} python -m pytest -q -p no:cacheprovider tests/gpu/test_step_capture_gpu.py
 GRAPHCOMP_GPU_RESULTS="$OUT" run tp ${TP_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k tp2
