@@ -27,6 +27,18 @@ LossKernels = Literal["inductor", "eager"]
 RematMode = Literal["respect_user", "auto"]
 FusionSearch = Literal["fast", "inductor"]
 
+# The fields by concern: how the reference (docs/options.md) presents them. Users pass
+# the flat keys; every field is in exactly one group (tests/cpu/unit/test_config.py).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "Passes and code generation": ("passes", "codegen", "inductor_fusion_search", "inductor_memory_reorder"),
+    "Communication": ("bucket_bytes", "reduce_bucket_bytes", "collective_bytes_per_s", "prefetch_bytes"),
+    "Memory": ("memory_budget", "reshard_after_forward", "remat", "loss_chunk_tokens", "loss_chunk_kernels"),
+    "CUDA graphs": ("cudagraphs", "split_ops", "min_piece_nodes", "max_captures", "check_static_inputs",
+                    "on_address_change", "copy_outputs"),
+    "Compile time": ("compile_regions", "region_min_nodes", "region_auto_min"),
+    "Safety and debugging": ("rank_agreement", "rank_agreement_timeout", "verify_collectives", "debug", "dump_dir"),
+}
+
 AUTO_BUDGET_FRACTION = 0.9
 """``memory_budget="auto"``: this fraction of the CUDA device's total memory."""
 

@@ -147,14 +147,22 @@ def render() -> str:
         "",
         "## `graphcomp.Config` fields",
         "",
-        "| option | type | default |",
-        "|---|---|---|",
+        "Grouped by concern (`graphcomp.config.GROUPS`); the keys are flat.",
     ]
-    for f in fields:
-        out.append(f"| [`{f['name']}`](#{f['name']}) | `{_cell(f['type'])}` | {_cell(f['default'])} |")
-    for f in fields:
-        out += ["", f"### {f['name']}", "", f"Type `{f['type']}`, default {f['default']}.", ""]
-        out.append(_md(f["doc"]) if f["doc"] else "(no docstring)")
+    from graphcomp.config import GROUPS
+
+    by_name = {f["name"]: f for f in fields}
+    for group, names in GROUPS.items():
+        out += ["", f"**{group}**", "", "| option | type | default |", "|---|---|---|"]
+        for name in names:
+            f = by_name[name]
+            out.append(f"| [`{f['name']}`](#{f['name']}) | `{_cell(f['type'])}` | {_cell(f['default'])} |")
+    for group, names in GROUPS.items():
+        out += ["", f"## {group}"]
+        for name in names:
+            f = by_name[name]
+            out += ["", f"### {f['name']}", "", f"Type `{f['type']}`, default {f['default']}.", ""]
+            out.append(_md(f["doc"]) if f["doc"] else "(no docstring)")
     out += [
         "",
         "## Passes",

@@ -84,3 +84,16 @@ def test_every_pass_is_documented():
     text = PASSES_MD.read_text()
     for name in graphcomp.compiler.pipeline.registered_passes():
         assert f"\n## {name}\n" in text, f"pass {name} has no section in docs/passes.md"
+
+
+def test_every_field_is_in_exactly_one_group():
+    """``config.GROUPS`` (how docs/options.md presents the fields) covers every field
+    once: a new field must be given a group."""
+    import dataclasses
+
+    from graphcomp.config import GROUPS, Config
+
+    listed = [n for names in GROUPS.values() for n in names]
+    assert sorted(listed) == sorted(f.name for f in dataclasses.fields(Config)), (
+        set(listed) ^ {f.name for f in dataclasses.fields(Config)})
+    assert len(listed) == len(set(listed))
