@@ -38,6 +38,7 @@ from graphcomp.sharding import gather as shard_gather
 from graphcomp.config import Config
 from graphcomp.compiler.compile_env import CompileEnv
 from graphcomp.compiler.pipeline import PassContext, run_stage
+from graphcomp.compiler.progress import CompileProgress
 from graphcomp.compiler.plan import FramePlan, StageInputs
 from graphcomp.session import SESSION, FrameRecord
 
@@ -83,8 +84,10 @@ class FrameCompiler:
             "num_inputs": len(example_inputs),
             "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs],
             "compile_seconds": None,
+            "phase_seconds": {},  # the passes of each stage, Inductor's code generation of each stage
         }
         self.record = FrameRecord(info, self.plan)
+        self.progress = CompileProgress(self.frame_id, info["phase_seconds"])
         SESSION.frames.append(self.record)
         SESSION.counters.add("frames_compiled")
         if self.recompile:
@@ -104,7 +107,8 @@ class FrameCompiler:
         )
         ops_in = graph_utils.op_counts(gm)
         nodes_in = len(gm.graph.nodes)
-        gm, records = run_stage(gm, ctx, self.dumper)
+        with self.progress.phase(f"{stage} passes"):
+            gm, records = run_stage(gm, ctx, self.dumper)
         colls = graph_utils.collectives(gm) if stage != "dynamo" else []  # (torch-level ops: counted after AOT)
         self.record.stages[stage] = {
             "nodes_in": nodes_in,
@@ -163,7 +167,7 @@ class FrameCompiler:
         allow = self.cfg.inductor_memory_reorder or not ours
         replaced: list[bool] = []
         with _compat.inductor_cache_key(self.joint_hook_obj), _compat.inductor_memory_reorder(allow, replaced), \
-                _compat.inductor_fusion_search(self.cfg.inductor_fusion_search):
+                _compat.inductor_fusion_search(self.cfg.inductor_fusion_search), self.progress.phase(f"Inductor {stage}"):
             if self.plan.split_of(gm, stage) is not None:
                 out = self.compile_pieces(stage, gm, kwargs)
             else:

@@ -254,7 +254,9 @@ def health_report(step: Any = None, *, tokens_per_s: float | None = None, mfu: f
              "exposed_comm": "not measured" if exposed_comm is None else exposed_comm}
     return {
         "compile": {"frames": counters.get("frames_compiled", len(frames)), "graph_breaks": breaks,
-                    "recompiles": n_re, "recompiled_frames": recompiled, "recompile_reasons": reasons},
+                    "recompiles": n_re, "recompiled_frames": recompiled, "recompile_reasons": reasons,
+                    "seconds": sum(fr.get("compile_seconds") or 0.0 for fr in frames),
+                    "phase_seconds": _phase_seconds(frames)},
         "cudagraphs": {"pieces_captured": counters.get("pieces_captured", 0), "capturable_pieces": captured,
                        "eager_pieces": eager, "fallback_pieces": fallbacks,
                        **{k: counters.get(k, 0) for k in ("captures", "replays", "recaptures", "hazard_recaptures",
@@ -262,6 +264,16 @@ def health_report(step: Any = None, *, tokens_per_s: float | None = None, mfu: f
                                                           "pieces_turned_eager")}},
         "step": step_part, "speed": speed, "counters": counters, "problems": problems, "notes": notes,
     }
+
+
+def _phase_seconds(frames: list[dict[str, Any]]) -> dict[str, float]:
+    """Compile seconds per phase (the passes of each stage, Inductor per stage), summed
+    over the frames, longest first."""
+    out: dict[str, float] = {}
+    for fr in frames:
+        for name, s in (fr.get("phase_seconds") or {}).items():
+            out[name] = out.get(name, 0.0) + s
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _gib(b: float) -> str:
@@ -273,7 +285,9 @@ def format_health(report: dict[str, Any]) -> str:
     c, g, s, sp = report["compile"], report["cudagraphs"], report["step"], report["speed"]
     breaks = sum(c["graph_breaks"].values())
     lines = ["graphcomp health report",
-             f"  compile     : {c['frames']} frame(s), {breaks} graph break(s), {c['recompiles']} recompile(s)",
+             f"  compile     : {c['frames']} frame(s), {breaks} graph break(s), {c['recompiles']} recompile(s)"
+             + (f"; {c['seconds']:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in list(c["phase_seconds"].items())[:4])
+                if c.get("phase_seconds") else ""),
              f"  cuda graphs : {g['pieces_captured']} piece(s) captured, {len(g['eager_pieces'])} eager; "
              f"{g['captures']} capture(s), {g['replays']} replay(s), {g['recaptures'] + g['hazard_recaptures']} "
              f"re-capture(s), {g['cudagraph_fallbacks']} eager fallback call(s)"]
