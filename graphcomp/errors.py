@@ -67,3 +67,10 @@ class TrainerConfigError(ValueError):
     system sharding or wrapping the model, fp16 without its loss scaler, ranks that
     would each read the whole dataset, ...): the message names the option and what
     to use instead."""
+
+
+class ShardedModelError(RuntimeError):
+    """A model sharded by ``graphcomp.shard`` was changed in a way its shards cannot
+    follow: a shard's ``.data`` replaced with another shape, the model moved to
+    another device, or trainable parameters added after ``shard`` (their gradients
+    would not be reduced across ranks). The message names the parameter and the fix."""

@@ -110,6 +110,34 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
                     "they get gradients but are never updated", len(left), left[0])
 
 
+def _check_unsharded(model: nn.Module) -> None:
+    """A sharded model whose trainable parameters are not all shards (a submodule or
+    parameter added after ``graphcomp.shard``): their gradients are not reduced
+    across ranks, so on several ranks each rank would train its own copy."""
+    from graphcomp.errors import ShardedModelError
+    from graphcomp.sharding.layout import _INFO_ATTR
+
+    world, left = 1, []
+    for mname, mod in model.named_modules():
+        infos = mod.__dict__.get(_INFO_ATTR, {})
+        for info in infos.values():
+            world = max(world, info.world_size)
+        for pname, p in mod._parameters.items():
+            if p is not None and p.requires_grad and pname not in infos:
+                left.append(f"{mname}.{pname}" if mname else pname)
+    if not left:
+        return
+    what = (f"{len(left)} trainable parameter(s) of the sharded model are not sharded (the first: {left[0]!r}), "
+            f"typically a module or parameter added after graphcomp.shard(model)")
+    fix = ("add every module before graphcomp.shard(model), or freeze them (requires_grad_(False)); then build "
+           "the optimizer from model.parameters()")
+    if world > 1:
+        raise ShardedModelError(f"graphcomp.train_step: {what}: their gradients would not be reduced across the "
+                                f"{world} ranks, so each rank would train its own copy. Fix: {fix}")
+    log.warning("graphcomp.train_step: %s; harmless on one rank, but on several their gradients would not be "
+                "reduced across ranks. Fix: %s", what, fix)
+
+
 def _split(value: Any, n: int, where: str) -> list[Any]:
     """``n`` micro-batches of one argument: tensors split along dim 0, the rest repeated."""
     if not isinstance(value, torch.Tensor):
@@ -140,6 +168,8 @@ class TrainStep:
                                       dynamic=dynamic)
         self.update = optim.capture(optimizer, max_norm=max_norm, cudagraphs=config.cudagraphs)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._all_params = list(model.parameters())  # (requires_grad changes: _check_trainable)
+        self._trainable = [p.requires_grad for p in self._all_params]
         self.steps = 0
         self._calls = 0  # calls in this process (load_state_dict restores steps, not these)
         self.last_norm: torch.Tensor | None = None
@@ -150,6 +180,8 @@ class TrainStep:
 
     # ------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if [p.requires_grad for p in self._all_params] != self._trainable:
+            self._trainable_changed()
         if self._whole is None and self._calls >= 2:
             self._decide_whole_step()
         fn = self._whole or self._step
@@ -160,6 +192,26 @@ class TrainStep:
         self.steps += 1
         self._calls += 1
         return loss
+
+    def _trainable_changed(self) -> None:
+        """Parameters frozen or unfrozen (``requires_grad_``) since the last call: the
+        compiled frames recompile and the captured optimizer re-plans on their own, but
+        a whole-step CUDA graph would keep computing and applying the old set's
+        gradients; it is dropped and decided again two calls later."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        changed = [(names.get(id(p), "?"), p.requires_grad) for p, was in zip(self._all_params, self._trainable)
+                   if p.requires_grad != was]
+        self._trainable = [p.requires_grad for p in self._all_params]
+        self.params = [p for p in self._all_params if p.requires_grad]
+        dropped = bool(self._whole)
+        if dropped:
+            self._whole.release()
+            self._whole, self._calls = None, 0
+        n, grad = changed[0]
+        log.warning("graphcomp.train_step: requires_grad changed for %d parameter(s) since the last step (the first: "
+                    "%r is now %s); the step recompiles for the new set%s", len(changed), n,
+                    "trainable" if grad else "frozen",
+                    ", and the whole-step CUDA graph is dropped (decided again after two steps)" if dropped else "")
 
     def _step(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over the micro-batches, clip + optimizer step, zero_grad."""
@@ -331,6 +383,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn: C
                          f"{dist.get_world_size()} ranks: its gradients would not be reduced across them. Call "
                          "graphcomp.shard(model) first, then build the optimizer from model.parameters()")
     _check_optimizer(model, optimizer)
+    if is_sharded(model):
+        _check_unsharded(model)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"graphcomp.train_step: loss_fn must be callable (model, *args, **kwargs) -> loss or None, "
                         f"got {type(loss_fn).__name__}")

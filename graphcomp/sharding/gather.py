@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from graphcomp import _compat
 from graphcomp.sharding import mesh as mesh_sharding
 from graphcomp import env as _env
+from graphcomp.errors import ShardedModelError
 from graphcomp.sharding.layout import ShardInfo, _dtensor_cls
 
 __all__ = ["gather", "gather_local", "reduce_grad"]
@@ -147,10 +148,24 @@ def _gather_shard_decomposition(local, rows, shape, param_dtype, reduce_dtype, g
 DECOMPOSITIONS = {torch.ops.graphcomp.gather_shard.default: _gather_shard_decomposition}
 
 
+def shard_changed(param: torch.Tensor, info: ShardInfo) -> Exception:
+    """The error for a shard whose shape is no longer the one ``shard`` gave it
+    (``param.data = <another tensor>`` replaces the DTensor's shape, not its local
+    shard: the new values would be ignored and the backward would fail)."""
+    return ShardedModelError(
+        f"sharded parameter {info.fqn!r} was changed after graphcomp.shard: its shard has shape "
+        f"{tuple(param.shape)}, expected {info.padded_shape} (logical shape {info.shape}). Assigning "
+        f"param.data (or a new Parameter) does not reach the shard; load new values with "
+        f"model.load_state_dict(...), or copy_ into module._parameters[name].to_local() under torch.no_grad(); "
+        f"to change a parameter's shape, change the model before graphcomp.shard")
+
+
 def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     """The full (logical-shape) value of a sharded parameter, cast to
     ``info.param_dtype``; differentiable (the gradient is reduce-scattered to the
     shard in ``info.reduce_dtype`` and averaged over ranks)."""
+    if info.tp is None and isinstance(param, _dtensor_cls()) and tuple(param.shape) != info.padded_shape:
+        raise shard_changed(param, info)
     local = param.to_local() if isinstance(param, _dtensor_cls()) else param
     if info.world_size == 1:
         out = _to_logical(local, info.rows, info.shape, info.param_dtype)

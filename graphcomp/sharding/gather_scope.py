@@ -51,7 +51,7 @@ from torch import nn
 from graphcomp import _compat
 from graphcomp.sharding.mesh import for_module
 from graphcomp.session import SESSION
-from graphcomp.sharding.gather import gather, gather_local, reduce_grad
+from graphcomp.sharding.gather import gather, gather_local, reduce_grad, shard_changed
 
 
 
@@ -95,6 +95,8 @@ def install(module: nn.Module, infos: dict[str, Any], exchange: bool = False) ->
     scope (it would gather the table the exchange replaces)."""
     order = tuple(sorted(infos))
     ordered = tuple(infos[n] for n in order)
+    # a shard whose .data was replaced: its wrapper shape no longer matches (1-D sharding)
+    padded_shapes = tuple(torch.Size(i.padded_shape) if i.tp is None else None for i in ordered)
 
     # (no helper calls or comprehensions in the hooks: called from eager code, each
     # would be a frame of its own, which Dynamo compiles unless skipped recursively,
@@ -114,8 +116,10 @@ def install(module: nn.Module, infos: dict[str, Any], exchange: bool = False) ->
             SESSION.scopes[id(mod)] = scope
             return None
         locals_, grad = [], False
-        for n in order:
+        for n, padded in zip(order, padded_shapes):
             p = mod._parameters[n]
+            if padded is not None and p.shape != padded:
+                raise shard_changed(mod._parameters[n], infos[n])
             locals_.append(p.to_local() if hasattr(p, "to_local") else p)
             grad = grad or p.requires_grad
         if not (grad and torch.is_grad_enabled()):

@@ -49,7 +49,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from graphcomp import _compat
-from graphcomp.errors import OptimizerParamsError
+from graphcomp.errors import OptimizerParamsError, ShardedModelError
 from graphcomp.sharding import embedding_exchange
 from graphcomp.sharding import gather_scope
 from graphcomp.sharding import gloo_groups
@@ -100,6 +100,25 @@ def _sharded_class(base: type, names: tuple[str, ...], exchange: bool = False) -
             )
         base.__setattr__(self, name, value)
 
+    def _apply(self: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+        # model.to(device) / .cuda() / .cpu() / to_empty(device=...) after shard: the shards
+        # would leave the device their process group and mesh are bound to. Probed on an
+        # empty tensor of each shard's local dtype and device, before anything moves.
+        # (A dtype change, model.to(torch.bfloat16), is allowed: shards change dtype as a
+        # plain model's parameters would.)
+        for n in names:
+            p = self._parameters.get(n)
+            if p is None:
+                continue
+            local = p.to_local() if hasattr(p, "to_local") else p
+            probe = fn(torch.empty(0, dtype=local.dtype, device=local.device))
+            if isinstance(probe, torch.Tensor) and probe.device != local.device:
+                raise ShardedModelError(
+                    f"cannot move sharded parameter {self.__dict__[_INFO_ATTR][n].fqn!r} from {local.device} to "
+                    f"{probe.device}: graphcomp.shard bound its shards to the process group and device mesh of "
+                    f"{local.device}. Move the model before sharding: model.to(device), then graphcomp.shard(model)")
+        return base._apply(self, fn, *args, **kwargs)
+
     def extra_repr(self: nn.Module) -> str:
         # print(model) must not gather (a collective on one rank hangs the job):
         # render the base class's repr with the shards visible instead
@@ -122,6 +141,7 @@ def _sharded_class(base: type, names: tuple[str, ...], exchange: bool = False) -
         ns["forward"] = forward
     ns.update(
         __setattr__=__setattr__,
+        _apply=_apply,
         extra_repr=extra_repr,
         __module__=base.__module__,
         __qualname__=base.__qualname__,
