@@ -228,7 +228,7 @@ _TABLES_CACHED = 16  # recent tables, by addresses (rebuilding them costs an eag
 _cache: dict[tuple, tuple[Any, ...]] = {}
 
 
-def _table(lists: list[list[torch.Tensor]], block: int, build: bool = True) -> tuple[Any, ...] | None:
+def _table(lists: list[list[torch.Tensor]], block: int, take_spare: bool = True) -> tuple[Any, ...] | None:
     """Device tables: int64 [7, T] (pointers of P, G, M, V, step; numels; whether
     torch's kernel takes the tensor's vectorized path, see ``TORCH_ILP``) and int32
     [2, B] (each program's tensor and block), copied from pinned memory (a copy a
@@ -242,19 +242,19 @@ def _table(lists: list[list[torch.Tensor]], block: int, build: bool = True) -> t
     before the capture are used, else one of the pinned buffers :func:`reserve` set
     aside for these sizes is filled with the addresses the capture sees (a whole-step
     capture: its backward writes the gradients in the graph's own pool) and belongs to
-    that graph. None when neither exists. ``build=False``: only whether one would be
-    found (nothing taken or built)."""
+    that graph. None when neither exists. ``take_spare=False`` (inside a capture): only
+    whether a set-aside buffer is there, nothing taken (an empty tuple if it is)."""
     numels = [t.numel() for t in lists[0]]
     key = (block, *(t.data_ptr() for lst in lists for t in lst), *numels)
     hit = _cache.get(key)
-    capturing = RUNTIME.device.capture_active()
     if hit is not None:
         return hit
+    capturing = RUNTIME.device.capture_active()
     spare = _reserved.get((block, *numels)) if capturing else None
-    if not build:
-        return () if (spare or not capturing) else None
     if capturing and not spare:
         return None
+    if capturing and not take_spare:
+        return ()
     dev = lists[0][0].device
     vec = [int(n % TORCH_ILP == 0 and all(lst[i].data_ptr() % (4 * TORCH_ILP) == 0 for lst in lists[:4]))
            for i, n in enumerate(numels)]
@@ -338,7 +338,7 @@ def prepare(opt: torch.optim.Optimizer, subsets: list[list[torch.Tensor]]) -> st
             lists, why = group_tensors(opt, group, ps)
             if lists is None:
                 return why
-            if _table(lists, BLOCK, build=False) is None:
+            if _table(lists, BLOCK, take_spare=False) is None:
                 return ("the kernel's tables were not built before this capture and no buffer was set aside for "
                         "them (the gradients moved?)")
     return None

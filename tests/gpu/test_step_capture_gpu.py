@@ -45,7 +45,7 @@ def test_whole_step_captured_matches_the_step_as_it_is(tmp_path, ngpu):
             # the demo's optimizer is fused AdamW: the clip folds into its kernel (the
             # default fold_clip="auto"), inside the whole-step graph as in the plain step
             "the clip folded in both": c.get("optimizer_clip_folds") == 1
-                and p["counters"].get("optimizer_clip_folds") == 1 and w["clip_folded"],
+                and p["counters"].get("optimizer_clip_folds") == 1 and w["clip_folded"] and p["clip_folded"],
             "the forward/backward never fell back": c.get("cudagraph_fallbacks", 0) == 0,
             "parameters match the step as it is": r["params_max_rel"] <= 1e-6,
             "optimizer state matches": r["state_max_rel"] <= 1e-6,
@@ -80,7 +80,7 @@ def test_train_step_captures_the_whole_step_and_matches_the_pieces(tmp_path, ngp
             "no re-capture, no fallback": c.get("step_recaptures", 0) == 0 and c.get("step_capture_fallbacks", 0) == 0
                 and c.get("step_capture_failures", 0) == 0 and c.get("cudagraph_fallbacks", 0) == 0,
             # the whole step's gradients live in its own pool: the fold's tables are filled there
-            "the clip folded inside the whole step too": w["clip_folded"],
+            "the clip folded inside the whole step too": w["clip_folded"] and p["clip_folded"],
             "parameters match the pieces": r["params_max_rel"] <= 1e-6,
             "optimizer state matches": r["state_max_rel"] <= 1e-6,
             "losses match": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(w["losses"], p["losses"])) <= 1e-6,
