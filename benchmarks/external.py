@@ -134,7 +134,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 #              "manual": torch.compile(model) + a hand-written step whose update is
 #              graphcomp.optim.capture(fold_clip=...) or, with "optimizer": "eager",
 #              torch's eager clip_grad_norm_ + opt.step()
-#   needs      "cuda" or "no_tp": the variant does not run elsewhere (said as "not run")
+#   needs      "cuda": the variant does not run elsewhere (said as "not run")
 # graphcomp-no_<pass> / graphcomp-with_<pass> are generated; --variant NAME=JSON adds more.
 GRAPHCOMP_VARIANTS: dict[str, dict] = {
     "graphcomp": {},
@@ -177,8 +177,8 @@ def check_variant(name: str, v: dict) -> dict:
         raise ValueError(f"graphcomp variant {name!r}: unknown key(s) {bad}; valid: {sorted(_VARIANT_KEYS)}")
     if v.get("step", "train_step") not in ("train_step", "manual"):
         raise ValueError(f"graphcomp variant {name!r}: step={v['step']!r}; valid: 'train_step', 'manual'")
-    if v.get("needs") not in (None, "cuda", "no_tp"):
-        raise ValueError(f"graphcomp variant {name!r}: needs={v['needs']!r}; valid: 'cuda', 'no_tp'")
+    if v.get("needs") not in (None, "cuda"):
+        raise ValueError(f"graphcomp variant {name!r}: needs={v['needs']!r}; valid: 'cuda'")
     return v
 
 
@@ -229,8 +229,10 @@ def build_graphcomp(ctx: Ctx, variant: dict | None = None) -> Built:
     if v.get("needs") == "cuda" and ctx.device.type != "cuda":
         raise NotRun("this variant measures an option of the captured optimizer step (CUDA only)")
     shard_kw = dict(v.get("shard") or {})
-    if ctx.tp > 1 and (shard_kw or v.get("needs") == "no_tp"):
+    if ctx.tp > 1 and shard_kw:
         raise NotRun(f"shard({shard_kw}) applies to 1-D sharding only (--tp 1)")
+    if ctx.tp > 1 and "fold_clip" in v:
+        raise NotRun("fold_clip is an option of the captured optimizer, which --tp runs do not use")
     options = _resolve_options(graphcomp, v.get("options") or {})
     model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
     sharded = ctx.world > 1
@@ -271,7 +273,7 @@ def build_graphcomp(ctx: Ctx, variant: dict | None = None) -> Built:
         })
 
     window: dict[str, dict] = {}
-    captured = whole = tstep = None
+    captured = tstep = None
     if v.get("step", "train_step") == "train_step" and ctx.tp == 1:
         tstep = graphcomp.train_step(model, opt, max_norm=CLIP, autocast=None if sharded else BF16, options=options,
                                      whole_step=v.get("whole_step", "auto"))

@@ -168,7 +168,7 @@ class TrainStep:
                                       dynamic=dynamic)
         self.update = optim.capture(optimizer, max_norm=max_norm, cudagraphs=config.cudagraphs)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._all_params = list(model.parameters())  # (requires_grad changes: _check_trainable)
+        self._all_params = list(model.parameters())  # (requires_grad changes: _trainable_changed)
         self._trainable = [p.requires_grad for p in self._all_params]
         self.steps = 0
         self._calls = 0  # calls in this process (load_state_dict restores steps, not these)
@@ -277,7 +277,9 @@ class TrainStep:
         dev = self.params[0].device if self.params else None
         if dev is None or dev.type != "cuda":
             return None
-        total = torch.cuda.get_device_properties(dev).total_memory
+        from graphcomp import _compat
+
+        total = _compat.device_memory_bytes(dev)
         return whole_step_memory_reason(torch.cuda.max_memory_allocated(dev), total, self.config.memory_budget)
 
     # ------------------------------------------------------------ checkpoints
@@ -313,18 +315,11 @@ class TrainStep:
 def whole_step_memory_reason(peak: int, total: int, budget: Any) -> str | None:
     """Why a whole-step graph would not fit (None: it fits): its own pool needs about
     the step's peak again, so ``2 * peak`` must stay within the budget
-    (``Config.memory_budget``: bytes, a fraction of ``total``, ``"auto"`` for
-    ``config.AUTO_BUDGET_FRACTION`` of it, None for all of it)."""
-    from graphcomp.config import AUTO_BUDGET_FRACTION
+    (``Config.memory_budget`` on a CUDA device of ``total`` bytes; no budget: all of it)."""
+    from graphcomp.analysis.memory import budget_bytes
 
-    if budget is None:
-        limit = total
-    elif budget == "auto":
-        limit = int(AUTO_BUDGET_FRACTION * total)
-    elif isinstance(budget, float):
-        limit = int(budget * total)
-    else:
-        limit = int(budget)
+    limit = budget_bytes(budget, total)
+    limit = total if limit is None else limit
     if 2 * peak <= limit:
         return None
     return (f"its own memory pool would need about the step's peak again ({peak / 2**30:.2f} GiB) and twice "

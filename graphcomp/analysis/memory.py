@@ -427,24 +427,28 @@ def resolve_budget(budget: int | float | str | None, gm: fx.GraphModule) -> int 
     shared with everything else on the host: give bytes). ``"auto"`` is
     ``config.AUTO_BUDGET_FRACTION`` of CUDA device memory, and no budget (None) on
     any other device."""
+    if budget is None or isinstance(budget, int):
+        return budget_bytes(budget, None)
+    from graphcomp import _compat
+
+    dev = graph_device(gm)
+    return budget_bytes(budget, _compat.device_memory_bytes(dev) if dev is not None else None, dev)
+
+
+def budget_bytes(budget: int | float | str | None, total: int | None, device: Any = None) -> int | None:
+    """``Config.memory_budget`` in bytes on a device of ``total`` bytes (None: not a
+    CUDA device, where a fraction is a ValueError and ``"auto"`` is no budget)."""
     if budget is None:
         return None
     if budget == "auto":
-        from graphcomp import _compat
         from graphcomp.config import AUTO_BUDGET_FRACTION
 
-        dev = graph_device(gm)
-        total = _compat.device_memory_bytes(dev) if dev is not None else None
         return None if total is None else int(AUTO_BUDGET_FRACTION * total)
     if isinstance(budget, float):
-        from graphcomp import _compat
-
-        dev = graph_device(gm)
-        total = _compat.device_memory_bytes(dev) if dev is not None else None
         if total is None:
             raise ValueError(
                 f"Config.memory_budget={budget!r} is a fraction of device memory, which graphcomp only defines "
-                f"for CUDA devices; this graph is on {dev}: give the budget in bytes (an int)"
+                f"for CUDA devices; this graph is on {device}: give the budget in bytes (an int)"
             )
         return int(budget * total)
     return int(budget)

@@ -8,23 +8,24 @@ pass through its context:
   of ``shard(embedding="exchange")`` (which collectives are graphcomp's and which are
   tensor parallel's or activations');
 * the plans agreed across ranks at a function's first compile, reused by its
-  recompiles (:meth:`CompileEnv.agreed_plan`), and the bytes of gathered parameters
-  other compiled graphs keep;
+  recompiles (:meth:`CompileEnv.prior_plan` / :meth:`CompileEnv.keep_plan`), and the
+  bytes of gathered parameters other compiled graphs keep;
 * the agreement client (:meth:`CompileEnv.agree_kept`);
 * what the runtime offers: a cross-step prefetch provider, serial gloo groups.
 
-A pass that decides something every rank must decide alike writes it once::
+A pass that decides something every rank must decide alike::
 
-    plan, reused = ctx.env.agreed_plan("keep", key, lambda: ctx.env.agree_kept(...))
+    plan = ctx.env.prior_plan("keep", key)          # a recompile: the first compile's plan
+    if plan is None:
+        plan = ctx.env.agree_kept(...)              # the first: this rank's plan, agreed
+        ctx.env.keep_plan("keep", key, plan)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 
 @dataclass
@@ -62,17 +63,16 @@ class CompileEnv:
                    epoch=session.agree_seq.get("epoch", 0), cross_step_prefetch=PREFETCH.enabled(),
                    is_serial_group=gloo_groups.is_serial)
 
-    def agreed_plan(self, kind: str, key: Any, decide: Callable[[], T]) -> tuple[T, bool]:
-        """The plan of ``kind`` for ``key``: the one recorded at the function's first
-        compile, and True; else ``decide()`` (this rank's plan, agreed with its peers),
-        recorded, and False. Recompiles reuse the first plan, so a rank that recompiles
-        alone for a new input shape issues the same collectives as its peers."""
-        store = self.plans.setdefault(kind, {})
-        if key in store:
-            return store[key], True
-        plan = decide()
-        store[key] = plan
-        return plan, False
+    def prior_plan(self, kind: str, key: Any) -> Any:
+        """The plan of ``kind`` recorded for ``key`` at the function's first compile, or
+        None. Recompiles reuse it, so a rank that recompiles alone for a new input shape
+        issues the same collectives as its peers."""
+        return self.plans.get(kind, {}).get(key)
+
+    def keep_plan(self, kind: str, key: Any, plan: Any) -> None:
+        """Record the plan of ``kind`` for ``key`` (agreed with the peers) for the
+        function's recompiles."""
+        self.plans.setdefault(kind, {})[key] = plan
 
     def agree_kept(self, group: str | None, function: str, digest: str, kept: list[int], n_groups: int, cfg: Any,
                    **kw: Any) -> list[int]:

@@ -31,7 +31,7 @@ node with side effects (a mutation, a random op) or a tensor-parallel collective
 is the one decision that depends on shapes (through the compute model): a function's
 first compile agrees on the smallest ``k`` of all ranks (``ctx.env.agree_kept``,
 in the store, as ``schedule_free``'s keep plan) and its recompiles reuse it
-(``ctx.env.agreed_plan``), so ranks whose inputs differ in shape, and a rank
+(``ctx.env.prior_plan`` / ``keep_plan``), so ranks whose inputs differ in shape, and a rank
 recompiling alone, issue their reduce-scatters in the same order. Modelling matmuls
 slower than they run (``remat``'s conservative rate) would defer too little, each
 seeming to cover more than it does; on a GPU slower than the model the pass defers
@@ -229,16 +229,15 @@ def _agreed_k(ctx: PassContext, gm: fx.GraphModule, p: DeferPlan) -> tuple[int, 
     if ctx.frame.code_id is None:  # not a Dynamo frame (a hand-built graph): nothing to share
         return p.k, ""
     key = _plan_key(ctx, gm)
-
-    def decide() -> int:
-        return len(ctx.env.agree_kept(gu.collective_group(p.rs), str(key[0]), key[1], list(range(p.k)), p.n_rs,
-                                      ctx.config, plan="its defer_weight_grads plan", counted="reduce-scatters",
-                                      namespace="defer", about=f"moves {p.k} of its {p.n_rs} reduce-scatters "
-                                                               "after the last one."))
-
-    k, reused = ctx.env.agreed_plan("defer", key, decide)
-    if reused:
-        return k, f"the plan of this function's first compile reused (k = {k})"
+    prior = ctx.env.prior_plan("defer", key)
+    if prior is not None:
+        return prior, f"the plan of this function's first compile reused (k = {prior})"
+    agreed = ctx.env.agree_kept(gu.collective_group(p.rs), str(key[0]), key[1], list(range(p.k)), p.n_rs,
+                                ctx.config, plan="its defer_weight_grads plan", counted="reduce-scatters",
+                                namespace="defer", about=f"moves {p.k} of its {p.n_rs} reduce-scatters "
+                                                         "after the last one.")
+    k = len(agreed)
+    ctx.env.keep_plan("defer", key, k)
     return k, ("" if k == p.k else f"this rank's model moves {p.k} reduce-scatters, every rank's {k}: "
                                    f"moving {k} (the ranks' first inputs differ)")
 

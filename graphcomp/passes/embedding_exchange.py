@@ -122,8 +122,7 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     code = ctx.frame.code_id
     # (the agreement's epoch: after torch._dynamo.reset() Dynamo numbers functions from 0 again)
     key = None if code is None else (ctx.env.epoch, code)
-    store = ctx.env.plans.setdefault("exchange", {})
-    prior = store.get(key) if key is not None else None
+    prior = ctx.env.prior_plan("exchange", key) if key is not None else None
     for xgroup, cs in sorted(by_group.items()):
         static = [c for c in cs if c[3] is not None]
         _skip(ctx, "symbolic_tokens", len(cs) - len(static))
@@ -148,7 +147,7 @@ def embedding_exchange(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             agreed_here.update((xgroup, c[3]) for c in ok)
         chosen.extend((c[1], c[2]) for c in ok)
     if key is not None and prior is None and by_group:
-        store[key] = frozenset(agreed_here)
+        ctx.env.keep_plan("exchange", key, frozenset(agreed_here))
     if not chosen:
         return ctx.unchanged(gm, f"none of {len(cands)} lookups exchanges (see the skipped:* counts): "
                                  f"the tables are gathered")

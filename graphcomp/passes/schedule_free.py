@@ -33,7 +33,7 @@ docstring says why). Under the default budget (``"auto"``: 0.9 of a CUDA device'
 optimizer state that lives outside the graph, and less the gathered bytes other
 compiled functions keep (``ctx.env.kept_gather_bytes``: the frames of a step with
 graph breaks hold theirs at the same time). The plan is decided at a function's
-first compile and reused by its recompiles (``ctx.env.agreed_plan``, per function
+first compile and reused by its recompiles (``ctx.env.prior_plan`` / ``keep_plan``, per function
 and its gathers' sizes: the graphs of a function split at a graph break, or a
 recompile with other gathers, decide apart): a rank that recompiles alone for a new input shape
 must issue the gathers its peers' graphs issue, and an estimate of its new shapes
@@ -77,7 +77,6 @@ import hashlib
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx as fx
@@ -421,10 +420,19 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             default_budget = ctx.config.memory_budget == "auto"
             key = plan_key(ctx, groups)  # one plan per graph of a function
-            first: dict[str, Any] = {}
-
-            def decide() -> frozenset[int]:
-                """This rank's keep plan at the function's first compile, agreed with its peers."""
+            prior = ctx.env.prior_plan("keep", key)
+            if prior is not None:
+                # a recompile (a new input shape, perhaps on this rank alone): the
+                # function's first plan, so that every rank's graphs of it issue the
+                # same gathers whatever shapes each rank compiled for
+                kept = set(prior)
+                est = estimate(kept)
+                ctx.count("keep_plan_reused")
+                ctx.note(f"reshard_after_forward='auto': the plan of this function's first compile reused "
+                         f"({len(kept)} of {len(groups)} gathers kept), so ranks that recompile for different "
+                         f"shapes issue the same collectives; estimated peak {est.peak_bytes} bytes"
+                         + (f", over the budget of {budget}" if est.peak_bytes > budget else ""))
+            else:
                 reserve, others = reserved_bytes(ctx, groups)  # room for what the default budget cannot see
                 kept, est, reason = choose_kept(gm, groups, budget - reserve - others, ctx, recompute)
                 if reason is not None and (reserve or others) and est.peak_bytes <= budget:
@@ -443,23 +451,7 @@ def schedule_free(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                         ctx.count("keep_agreed_fewer", len(kept) - len(agreed))
                         kept = set(agreed)
                         est = estimate(kept)
-                first.update(est=est, reason=reason, reserve=reserve, others=others)
-                return frozenset(kept)
-
-            plan, reused = ctx.env.agreed_plan("keep", key, decide)
-            kept = set(plan)
-            if reused:
-                # a recompile (a new input shape, perhaps on this rank alone): the
-                # function's first plan, so that every rank's graphs of it issue the
-                # same gathers whatever shapes each rank compiled for
-                est = estimate(kept)
-                ctx.count("keep_plan_reused")
-                ctx.note(f"reshard_after_forward='auto': the plan of this function's first compile reused "
-                         f"({len(kept)} of {len(groups)} gathers kept), so ranks that recompile for different "
-                         f"shapes issue the same collectives; estimated peak {est.peak_bytes} bytes"
-                         + (f", over the budget of {budget}" if est.peak_bytes > budget else ""))
-            else:
-                est, reason, reserve, others = first["est"], first["reason"], first["reserve"], first["others"]
+                ctx.env.keep_plan("keep", key, frozenset(kept))
                 if default_budget:
                     ctx.count("optimizer_reserve_bytes", reserve)
                     ctx.count("other_frames_kept_bytes", others)

@@ -164,9 +164,10 @@ def gather(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     """The full (logical-shape) value of a sharded parameter, cast to
     ``info.param_dtype``; differentiable (the gradient is reduce-scattered to the
     shard in ``info.reduce_dtype`` and averaged over ranks)."""
-    if info.tp is None and isinstance(param, _dtensor_cls()) and tuple(param.shape) != info.padded_shape:
+    is_dtensor = isinstance(param, _dtensor_cls())
+    if is_dtensor and info.tp is None and tuple(param.shape) != info.padded_shape:
         raise shard_changed(param, info)
-    local = param.to_local() if isinstance(param, _dtensor_cls()) else param
+    local = param.to_local() if is_dtensor else param
     if info.world_size == 1:
         out = _to_logical(local, info.rows, info.shape, info.param_dtype)
     else:

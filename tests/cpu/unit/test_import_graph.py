@@ -84,7 +84,7 @@ _GLOBAL_STATE = {
     "graphcomp.session": "the session (counters, plans, groups)",
     "graphcomp.runtime": "the CUDA-graph runtime",
     "graphcomp.runtime.manager": "the CUDA-graph runtime",
-    "graphcomp.compiler.agreement": "the agreement store (use ctx.env.agree_kept / ctx.env.agreed_plan)",
+    "graphcomp.compiler.agreement": "the agreement store (use ctx.env.agree_kept / ctx.env.prior_plan / keep_plan)",
     "graphcomp.sharding.prefetch": "the cross-step prefetch registry (use ctx.env.cross_step_prefetch)",
     "graphcomp.sharding.gloo_groups": "the gloo group registry (use ctx.env.is_serial_group)",
 }
