@@ -142,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="continue from the latest complete checkpoint in --ckpt-dir, or from the given one")
     k.add_argument("--log-interval", type=int, default=1)
     k.add_argument("--metrics-file", help="rank 0 appends one JSON line per step (step, loss, lr, grad_norm)")
+    k.add_argument("--health-file", help="write the end-of-run health report as JSON here; '{rank}' in the "
+                                         "name gives every rank its own file (else rank 0 writes it)")
     k.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per rank for the MFU estimate")
     k.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = p.parse_args(argv)
@@ -153,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.resume and not args.ckpt_dir and args.resume == "latest":
         p.error("--resume without a path needs --ckpt-dir")
+    from graphcomp.tools.options_arg import parse_options
+
     try:  # bad input is refused here, on every rank, before any process group exists
         short = {k: getattr(args, k) for k in ("codegen", "cudagraphs", "dump_dir") if getattr(args, k) is not None}
         args.options = parse_options(args.option, short)
@@ -160,43 +164,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     return args
-
-
-def parse_options(items: list[str], shorthands: dict | None = None) -> dict:
-    """``--option KEY=VALUE`` items -> graphcomp.Config options. VALUE is parsed as JSON
-    (``16``, ``0.8``, ``true``, ``null``, ``["aten.nonzero"]``, ``{"remat": false}``),
-    else kept as a string (``codegen=eager``); mappings given twice are merged.
-    ``shorthands``: the values of ``--codegen``, ``--cudagraphs``, ``--dump-dir`` (an
-    ``--option`` of the same key must agree). An unknown KEY names the valid ones; a
-    bad VALUE raises graphcomp.Config's error."""
-    import graphcomp
-
-    valid = [f.name for f in dataclasses.fields(graphcomp.Config)]
-    options: dict = {}
-    for item in items:
-        key, eq, text = item.partition("=")
-        key = key.strip()
-        if not eq or not key:
-            raise ValueError(f"--option {item!r}: expected KEY=VALUE (e.g. --option codegen=eager)")
-        if key not in valid:
-            raise ValueError(f"--option {key}: not a graphcomp.Config field; valid keys: {', '.join(valid)}")
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = text
-        if isinstance(value, dict) and isinstance(options.get(key), dict):
-            value = {**options[key], **value}
-        options[key] = value
-    for key, value in (shorthands or {}).items():
-        if key in options and options[key] != value:
-            raise ValueError(f"--{key.replace('_', '-')} {value} and --option {key}={json.dumps(options[key])} "
-                             "disagree: give one of them")
-        options[key] = value
-    try:
-        graphcomp.Config.from_options(options)
-    except ValueError as e:  # a bad value: Config's error, which names the field and its valid values
-        raise ValueError(f"--option: {e}") from None
-    return options
 
 
 # ---------------------------------------------------------------------------- model
@@ -540,7 +507,10 @@ def main(argv: list[str] | None = None) -> int:
         if timed_steps:
             tps = timed_steps * tokens_per_step / (time.perf_counter() - t_first)
             mfu_v = fpt * tps / world / peak if peak else None
-        say(format_health(health_report(step, tokens_per_s=tps, mfu=mfu_v, world=world)))
+        report = health_report(step, tokens_per_s=tps, mfu=mfu_v, world=world)
+        say(format_health(report))
+        if args.health_file and (rank == 0 or "{rank}" in args.health_file):
+            Path(args.health_file.replace("{rank}", str(rank))).write_text(json.dumps(report, indent=1, default=str))
     finally:
         teardown()  # release CUDA graphs (and their NCCL work) first
         dist.destroy_process_group()

@@ -35,9 +35,13 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Memory": ("memory_budget", "reshard_after_forward", "remat", "loss_chunk_tokens", "loss_chunk_kernels"),
     "CUDA graphs": ("cudagraphs", "split_ops", "min_piece_nodes", "max_captures", "check_static_inputs",
                     "on_address_change", "copy_outputs"),
-    "Compile time": ("compile_regions", "region_min_nodes", "region_auto_min"),
+    "Compile time": ("compile_regions", "region_min_nodes", "region_auto_min", "compile_once", "cache_dir"),
     "Safety and debugging": ("rank_agreement", "rank_agreement_timeout", "verify_collectives", "debug", "dump_dir"),
 }
+
+NOT_IN_CODE = ("cache_dir", "compile_once", "dump_dir", "rank_agreement_timeout", "debug")
+"""The fields that never change the code a graph compiles to: left out of the
+compile cache's keys (:meth:`Config.code_json`)."""
 
 AUTO_BUDGET_FRACTION = 0.9
 """``memory_budget="auto"``: this fraction of the CUDA device's total memory."""
@@ -193,6 +197,23 @@ class Config:
     """``compile_regions="auto"``: the fewest regions a stage graph must cut into for
     regional compilation to be used (a transformer of N blocks cuts into about N + 1).
     Default 16. Must be >= 1."""
+
+    compile_once: bool = True
+    """Compile each stage graph on rank 0 only (default on): the other ranks whose
+    graph is the same wait for rank 0's compiled artifacts (through the default
+    process group's store) and load them instead of running Inductor; a rank whose
+    graph differs compiles its own (logged). Needs a torch that can record cache
+    artifacts; Inductor codegen only. ``False``: every rank compiles."""
+
+    cache_dir: str | None = None
+    """Directory of the compile cache kept across runs: one checksummed file per
+    compiled stage graph, keyed by the graph, its inputs, this config, graphcomp's
+    source, torch and Triton versions, the device and the world size. Point every
+    run of a job at it (it can be copied to machines of the same kind); a second run
+    skips Inductor's code generation. Inductor's own cache (C++ kernels, Triton's
+    cache) moves to ``<cache_dir>/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set.
+    A corrupt entry is ignored with a warning. Defaults to ``$GRAPHCOMP_CACHE_DIR``;
+    ``None``: no such directory (Inductor's own local cache still applies)."""
 
     max_captures: int = 8
     """CUDA graphs per piece: one capture per input-shape signature (shapes, strides,
@@ -354,6 +375,11 @@ class Config:
             v = getattr(self, f.name)
             out[f.name] = v if isinstance(v, (bool, int, float, str, dict, list, type(None))) else repr(v)
         return out
+
+    def code_json(self) -> dict[str, Any]:
+        """:meth:`to_json` without the fields that never change compiled code
+        (``NOT_IN_CODE``): what the compile cache's keys hash."""
+        return {k: v for k, v in self.to_json().items() if k not in NOT_IN_CODE}
 
 
 def field_docs() -> dict[str, str]:

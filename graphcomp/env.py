@@ -3,22 +3,31 @@
 | variable | effect |
 |---|---|
 | ``GRAPHCOMP_DUMP_DIR`` | default for ``Config.dump_dir`` |
+| ``GRAPHCOMP_CACHE_DIR`` | default for ``Config.cache_dir`` (the compile cache kept across runs) |
 | ``GRAPHCOMP_DEBUG`` | ``1`` turns on ``Config.debug`` by default |
 | ``GRAPHCOMP_AGREE_TIMEOUT`` | seconds the eager ``GRAPHCOMP_DEBUG`` rank-agreement check waits for the other ranks (default 60) |
 | ``GRAPHCOMP_LOG`` | log level of the ``graphcomp`` logger (``INFO``, ``DEBUG``, ...) |
 
 It also reads the launcher's ``WORLD_SIZE`` (``torchrun``), with which
 ``graphcomp.integrations.hf_trainer`` tells a job of several ranks that ``Trainer``
-would run as one process.
+would run as one process, and ``TORCHINDUCTOR_CACHE_DIR`` as it was when graphcomp was
+imported (``Config.cache_dir`` moves Inductor's cache only when the user set none).
 """
 
 from __future__ import annotations
 
 import os
 
+_INDUCTOR_CACHE_DIR_AT_IMPORT = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
 
 def dump_dir() -> str | None:
     v = os.environ.get("GRAPHCOMP_DUMP_DIR", "").strip()
+    return v or None
+
+
+def cache_dir() -> str | None:
+    v = os.environ.get("GRAPHCOMP_CACHE_DIR", "").strip()
     return v or None
 
 
@@ -52,3 +61,9 @@ def launched_world_size() -> int:
         return max(1, int(v)) if v else 1
     except ValueError:
         return 1
+
+
+def user_inductor_cache_dir() -> str | None:
+    """``TORCHINDUCTOR_CACHE_DIR`` as the user set it (read when graphcomp was imported:
+    Inductor writes its default there on first use)."""
+    return _INDUCTOR_CACHE_DIR_AT_IMPORT

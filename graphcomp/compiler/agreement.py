@@ -190,15 +190,29 @@ def note_frame() -> None:
     cid = _compat.dynamo_compile_id()
     if cid is None:
         return
+    seq = SESSION.agree_seq
     ctx = _compat.dynamo_compile_context()
     if ctx is not None and ctx is SESSION.agree_compile:
+        seq["graph_in_compile"] = seq.get("graph_in_compile", 0) + 1
         return  # another graph of the same Dynamo compile
     SESSION.agree_compile = ctx
-    seq = SESSION.agree_seq
+    seq["graph_in_compile"] = 0
     if cid[1] == 0 and cid[0] <= seq.get("max_frame", -1):
         seq["epoch"] = seq.get("epoch", 0) + 1
         seq["max_frame"] = cid[0]
     seq["max_frame"] = max(seq.get("max_frame", -1), cid[0])
+
+
+def frame_store_id(frame_id: int) -> str:
+    """A name for the graph being compiled that is the same on every rank compiling
+    the same code: the epoch, Dynamo's frame id and compile number, and the graph's
+    index within that compile (graph breaks); the backend's own frame counter where
+    Dynamo has no compile id."""
+    cid = _compat.dynamo_compile_id()
+    seq = SESSION.agree_seq
+    if cid is None:
+        return f"{seq.get('epoch', 0)}/own{frame_id}"
+    return f"{seq.get('epoch', 0)}/{cid[0]}/{cid[1]}/{seq.get('graph_in_compile', 0)}"
 
 
 def check_compiled(frame_id: int, stage: str, colls: list[dict[str, Any]], cfg: Any) -> None:

@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from graphcomp import _compat
 from graphcomp.compiler import agreement
+from graphcomp.compiler import artifacts
 from graphcomp.compiler import dump
 from graphcomp.sharding import embedding_exchange
 from graphcomp.analysis import graph_utils
@@ -73,6 +74,9 @@ class FrameCompiler:
         if self.code_id is not None and graph_utils.has_symbolic_shapes(example_inputs):
             SESSION.shape_following_code.add(self.code_id)
         agreement.note_frame()
+        self.artifacts = artifacts.StageArtifacts(cfg, self.rank, self.world_size,
+                                                  agreement.frame_store_id(self.frame_id), not self.recompile)
+        self.uuid = ""  # cache_uuid of the config and source (set by compile)
         self.env = CompileEnv.of_session(SESSION)  # what the passes know beyond their graph
         info: dict[str, Any] = {
             "frame": self.frame_id,
@@ -166,12 +170,17 @@ class FrameCompiler:
                    for c in self.record.stages[stage]["collectives"])
         allow = self.cfg.inductor_memory_reorder or not ours
         replaced: list[bool] = []
+
+        def build() -> Any:
+            if self.plan.split_of(gm, stage) is not None:
+                return self.compile_pieces(stage, gm, kwargs)
+            return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+
         with _compat.inductor_cache_key(self.joint_hook_obj), _compat.inductor_memory_reorder(allow, replaced), \
                 _compat.inductor_fusion_search(self.cfg.inductor_fusion_search), self.progress.phase(f"Inductor {stage}"):
-            if self.plan.split_of(gm, stage) is not None:
-                out = self.compile_pieces(stage, gm, kwargs)
-            else:
-                out = _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+            out, self.record.stages[stage]["artifacts"] = self.artifacts.compile(
+                stage, gm, example_inputs, self.uuid, build)
+        self._flush()  # (the backward compiles at the first backward, after compile() flushed)
         if ours:
             self._note_memory_reorder(stage, allow, replaced)
         return out
@@ -262,7 +271,8 @@ class FrameCompiler:
             gm = self.run("dynamo", gm, example_inputs)
             if self.cfg.codegen == "inductor":
                 captures = self.cfg.cudagraphs != "off" and self.cfg.pass_enabled("cudagraphs")
-                hook = _compat.make_joint_hook(self.joint_hook, cache_uuid(self.cfg, captures))
+                self.uuid = cache_uuid(self.cfg, captures)
+                hook = _compat.make_joint_hook(self.joint_hook, self.uuid)
                 self.joint_hook_obj = hook  # re-installed around every stage compile (cache key)
                 with _compat.inductor_patches(hook, no_donated_buffers=captures):
                     _compat.register_inductor_decompositions(DECOMPOSITIONS)
@@ -297,12 +307,12 @@ def _source_digest() -> str:
 def cache_uuid(cfg: Config, captures: bool) -> str:
     """The id of our joint hook, which Inductor's FX-graph cache hashes into its key.
 
-    It covers the config, graphcomp's source, and whether AOTAutograd donated
+    It covers the config (the fields that change code), graphcomp's source, and whether AOTAutograd donated
     buffers are off. The last matters: the cache key does not include the donated
     buffer indices, so without it a backward compiled with donation (buffers
     Inductor may overwrite) would be served to a CUDA-graph piece that runs several
     times on the same saved activations, giving wrong first-step gradients."""
-    blob = json.dumps({"config": cfg.to_json(), "source": _source_digest(), "no_donated_buffers": captures},
+    blob = json.dumps({"config": cfg.code_json(), "source": _source_digest(), "no_donated_buffers": captures},
                       sort_keys=True, default=str)
     return "graphcomp-" + hashlib.sha256(blob.encode()).hexdigest()
 

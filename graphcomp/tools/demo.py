@@ -12,6 +12,7 @@ step, what each pass did (the ``graphcomp inspect`` table) and where the dumps a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -28,8 +29,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="global batch size (split over ranks)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--codegen", choices=["inductor", "eager"], default="inductor")
-    p.add_argument("--dump-dir", default=os.path.abspath("graphcomp_dumps"))
+    p.add_argument("--dump-dir", default=os.path.abspath("graphcomp_dumps"), help="graph dumps ('': none)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any graphcomp.Config field (repeatable; VALUE is JSON, else a string)")
+    p.add_argument("--health-file", help="write the health report as JSON here; '{rank}' in the name gives every "
+                                         "rank its own file (else rank 0 writes it)")
     return p
 
 
@@ -56,7 +61,14 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    from graphcomp.tools.options_arg import parse_options
+
+    try:
+        extra = parse_options(args.option, {"codegen": args.codegen, "dump_dir": args.dump_dir or None})
+    except ValueError as e:
+        p.error(str(e))
     import torch
     import torch.distributed as dist
 
@@ -85,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     param_dtype = torch.bfloat16 if use_cuda else None
     graphcomp.shard(model, param_dtype=param_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=use_cuda or None)
-    options = {"codegen": args.codegen, "dump_dir": args.dump_dir}
+    options = extra
     step_fn = graphcomp.train_step(model, opt, max_norm=1.0, options=options)
     per_rank = args.batch // world
     try:
@@ -103,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         say(format_summary({"rank": rank, "frames": graphcomp.frame_summaries()}))
         say(f"\n[demo] dumps: {args.dump_dir}/rank*/ (summary.json, frameNNN/<stage>/NN-<pass>.before/after.txt)")
         say(f"[demo] counters: {dict(sorted(graphcomp.counters.items()))}")
+        if args.health_file and (rank == 0 or "{rank}" in args.health_file):
+            from graphcomp.tools.health import health_report
+
+            with open(args.health_file.replace("{rank}", str(rank)), "w") as f:
+                json.dump(health_report(step_fn, world=world), f, indent=1, default=str)
     finally:
         teardown = getattr(getattr(graphcomp, "runtime", None), "teardown", None)
         if teardown is not None:

@@ -256,7 +256,7 @@ def health_report(step: Any = None, *, tokens_per_s: float | None = None, mfu: f
         "compile": {"frames": counters.get("frames_compiled", len(frames)), "graph_breaks": breaks,
                     "recompiles": n_re, "recompiled_frames": recompiled, "recompile_reasons": reasons,
                     "seconds": sum(fr.get("compile_seconds") or 0.0 for fr in frames),
-                    "phase_seconds": _phase_seconds(frames)},
+                    "phase_seconds": _phase_seconds(frames), "graphs_from": _graphs_from(frames)},
         "cudagraphs": {"pieces_captured": counters.get("pieces_captured", 0), "capturable_pieces": captured,
                        "eager_pieces": eager, "fallback_pieces": fallbacks,
                        **{k: counters.get(k, 0) for k in ("captures", "replays", "recaptures", "hazard_recaptures",
@@ -276,6 +276,18 @@ def _phase_seconds(frames: list[dict[str, Any]]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _graphs_from(frames: list[dict[str, Any]]) -> dict[str, int]:
+    """How many stage graphs were compiled here, loaded from ``Config.cache_dir`` or
+    from rank 0 (``Config.compile_once``): the ``artifacts`` record of each stage."""
+    out: dict[str, int] = {}
+    for fr in frames:
+        for st in (fr.get("stages") or {}).values():
+            src = (st.get("artifacts") or {}).get("source")
+            if src is not None:
+                out[src] = out.get(src, 0) + 1
+    return out
+
+
 def _gib(b: float) -> str:
     return f"{b / 2**30:.2f} GiB"
 
@@ -287,7 +299,9 @@ def format_health(report: dict[str, Any]) -> str:
     lines = ["graphcomp health report",
              f"  compile     : {c['frames']} frame(s), {breaks} graph break(s), {c['recompiles']} recompile(s)"
              + (f"; {c['seconds']:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in list(c["phase_seconds"].items())[:4])
-                if c.get("phase_seconds") else ""),
+                if c.get("phase_seconds") else "")
+             + ("; graphs " + ", ".join(f"{n} {'compiled here' if k == 'compiled' else 'from ' + k}"
+                                         for k, n in c["graphs_from"].items()) if c.get("graphs_from") else ""),
              f"  cuda graphs : {g['pieces_captured']} piece(s) captured, {len(g['eager_pieces'])} eager; "
              f"{g['captures']} capture(s), {g['replays']} replay(s), {g['recaptures'] + g['hazard_recaptures']} "
              f"re-capture(s), {g['cudagraph_fallbacks']} eager fallback call(s)"]

@@ -94,6 +94,18 @@ def inductor_order_text(frame: dict[str, Any]) -> str | None:
     return "; ".join(orders) or None
 
 
+def artifacts_text(frame: dict[str, Any]) -> str | None:
+    """Per stage, where its compiled code came from (compiled here, ``cache_dir``, rank
+    0) and Inductor's cache hits and misses; None when no stage has a record."""
+    parts = []
+    for stage, st in frame.get("stages", {}).items():
+        r = st.get("artifacts")
+        if r and "key" in r:
+            parts.append(f"{stage}: {r['source']} (key {r['key']}, Inductor cache {r.get('fx_graph_cache_hits', 0)} "
+                         f"hit(s), {r.get('fx_graph_cache_misses', 0)} miss(es))")
+    return "; ".join(parts) or None
+
+
 def format_frame(frame: dict[str, Any]) -> str:
     """One frame: a pass table per stage, then a collective table."""
     cs = frame.get("compile_seconds")
@@ -144,6 +156,9 @@ def format_frame(frame: dict[str, Any]) -> str:
     orders = inductor_order_text(frame)
     if orders:
         out.append("Inductor node order (inductor_memory_reorder): " + orders)
+    sources = artifacts_text(frame)
+    if sources:
+        out.append("compiled code from (compile_once, cache_dir): " + sources)
     mrow = []
     for stage, st in frame.get("stages", {}).items():
         m = st.get("memory")
