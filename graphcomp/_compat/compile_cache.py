@@ -76,6 +76,21 @@ def fx_graph_cache_counts() -> tuple[int, int]:
     return int(c.get("fxgraph_cache_hit", 0)), int(c.get("fxgraph_cache_miss", 0))
 
 
+def constant_bytes(t: Any, limit: int) -> bytes:
+    """The first ``limit`` bytes of a real constant tensor's data, read outside any
+    active FakeTensorMode (a compile runs under one)."""
+    import torch
+
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:
+        unset_fake_temporarily = contextlib.nullcontext
+    with unset_fake_temporarily(), torch.no_grad():
+        flat = t.detach().reshape(-1)
+        n = max(1, limit // max(1, t.element_size()))
+        return flat[:n].cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def is_fake(t: Any) -> bool:
     """Whether ``t`` is a FakeTensor (no data to read)."""
     try:

@@ -119,9 +119,7 @@ def _hash_constant(h: Any, t: torch.Tensor) -> None:
     h.update(_tensor_meta(t).encode())
     if t.is_meta or compile_cache.is_fake(t):
         return
-    flat = t.detach().reshape(-1)
-    n = max(1, HASHED_CONSTANT_BYTES // max(1, t.element_size()))
-    h.update(flat[:n].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(compile_cache.constant_bytes(t, HASHED_CONSTANT_BYTES))
 
 
 def _attr(m: Any, target: str) -> Any:

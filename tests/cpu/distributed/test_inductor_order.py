@@ -58,7 +58,9 @@ def _train(rank, world, options):
     torch.manual_seed(0)
     m = Llama("tiny")
     graphcomp.shard(m, param_dtype=torch.bfloat16)
-    cm = torch.compile(m, backend="graphcomp", options={"codegen": "inductor", **SCHEDULE, **options})
+    # (compile_once off: every rank must run Inductor's scheduler for its record)
+    cm = torch.compile(m, backend="graphcomp", options={"codegen": "inductor", "compile_once": False, **SCHEDULE,
+                                                        **options})
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
     losses = []
     for step in range(2):
