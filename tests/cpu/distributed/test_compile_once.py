@@ -109,8 +109,3 @@ def test_compile_once_and_the_cache_dir(ranks2, tmp_path):
     from graphcomp.compiler import artifacts
 
     assert artifacts.read_entry(artifacts.pathlib.Path(path), bad[:-len(artifacts.SUFFIX)]) is not None
-
-    # another config: other keys, nothing loaded
-    other = ranks2.run(_train, tmp, "config", {"cache_dir": cache, "bucket_bytes": 1024})
-    assert _sources(other) == [{"fwd": "compiled", "bwd": "compiled"}, {"fwd": "rank 0", "bwd": "rank 0"}]
-    assert len(os.listdir(cache)) == 4

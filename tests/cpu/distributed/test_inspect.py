@@ -334,3 +334,17 @@ def test_cli_demo_hands_its_options_to_the_demo(monkeypatch):
     assert cli.main(["demo", "--steps", "2", "--codegen", "eager"]) == 0
     assert cli.main(["demo"]) == 0
     assert seen == [["--steps", "2", "--codegen", "eager"], []]
+
+
+def test_demo_refuses_a_bad_option_naming_the_valid_ones(capsys):
+    """`graphcomp demo --option KEY=VALUE` takes any Config field; a bad one is an error
+    before any rank starts."""
+    import graphcomp.tools.demo as demo
+
+    with pytest.raises(SystemExit):
+        demo.main(["--option", "compile_onc=false"])
+    err = capsys.readouterr().err
+    assert "compile_onc" in err and "compile_once" in err, err
+    with pytest.raises(SystemExit):
+        demo.main(["--option", "cudagraphs=sometimes"])
+    assert "'off', 'auto', 'require'" in capsys.readouterr().err

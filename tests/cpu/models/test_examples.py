@@ -265,7 +265,7 @@ def test_resume_gives_the_uninterrupted_runs_next_losses(tmp_path, tl):
     _llama_config(tl, 1).save_pretrained(tmp_path / "one_layer")  # (config.json only)
     common = ["--model", "one_layer", "--random-init", "--steps", "6", "--grad-accum", "2", "--seq-len", "32",
               "--ckpt-interval", "3", "--log-interval", "2"]
-    out = _launch(tmp_path, *common, "--ckpt-dir", "a", "--metrics-file", "a.jsonl")
+    out = _launch(tmp_path, *common, "--ckpt-dir", "a", "--metrics-file", "a.jsonl", "--health-file", "h{rank}.json")
     assert "[train] model: one_layer; weights: random (seed 0)" in out, out
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["step_00000003", "step_00000006"]
     lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
@@ -282,6 +282,9 @@ def test_resume_gives_the_uninterrupted_runs_next_losses(tmp_path, tl):
                  "tokens/s/rank (2 rank(s))", "MFU         : n/a", "max RSS (CPU)", "exposed comm: not measured",
                  "problems    : none found"):
         assert line in health, (line, health)
+    for r in (0, 1):  # every rank's report as JSON ('{rank}' in --health-file)
+        rep = json.loads((tmp_path / f"h{r}.json").read_text())
+        assert rep["compile"]["frames"] == 1 and rep["problems"] == [], rep
     full = _metrics(tmp_path / "a.jsonl")
     assert sorted(full) == [1, 2, 3, 4, 5, 6]
     assert full[6]["loss"] < full[1]["loss"]  # it learns

@@ -69,8 +69,20 @@ def test_cache_uuid_ignores_fields_that_do_not_change_code():
 
     a = cache_uuid(Config(), True)
     assert cache_uuid(Config(cache_dir="/x", compile_once=False, dump_dir="/d", rank_agreement_timeout=5.0), True) == a
-    assert cache_uuid(Config(bucket_bytes=1), True) != a
+    assert cache_uuid(Config(bucket_bytes=1), True) != a  # another config: another key, a cache miss
     assert cache_uuid(Config(), False) != a
+
+
+def test_changed_source_changes_every_key(monkeypatch):
+    from graphcomp.compiler import backend
+    from graphcomp.config import Config
+
+    a = backend.cache_uuid(Config(), True)
+    monkeypatch.setattr(backend, "_source_digest", lambda: "another graphcomp")
+    b = backend.cache_uuid(Config(), True)
+    assert b != a
+    x = [torch.randn(4)]
+    assert artifacts.stage_key(_gm(), x, a, 2, "fwd") != artifacts.stage_key(_gm(), x, b, 2, "fwd")
 
 
 def test_no_directory_and_one_rank_compile_as_before(monkeypatch):
