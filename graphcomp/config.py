@@ -82,12 +82,13 @@ class Config:
     reduce-scatter bucketing only."""
 
     collective_bytes_per_s: float | None = None
-    """The wire bandwidth ``defer_weight_grads`` models (bytes per second of a
-    reduce-scatter's input, times ``(W-1)/W``) to decide how much weight-gradient
-    compute to defer so that it covers the last reduce-scatter. ``None`` (default):
-    250e9 (``defer_weight_grads.COLLECTIVE_BYTES_PER_S``, an NVLink-class link). Set
-    a smaller value on a slower interconnect (PCIe, several nodes): more compute is
-    deferred, for a little more memory. Must be a finite number > 0."""
+    """The collective bus bandwidth the cost model assumes (bytes per second; a ring
+    collective moves ``(W-1)/W`` of its input): how much weight-gradient compute
+    ``defer_weight_grads`` defers to cover the last reduce-scatter, and which gathers
+    ``schedule_free`` keeps. ``None`` (default): the device's row of
+    ``graphcomp.analysis.cost_model`` (250e9 on H100 and H200, NVLink). Set a smaller
+    value on a slower interconnect (PCIe, several nodes): more compute is deferred, for
+    a little more memory. Must be a finite number > 0."""
 
     reshard_after_forward: bool | Literal["auto", "except_last"] = "auto"
     """Pass ``schedule_free``: whether gathered parameters are released after their

@@ -11,7 +11,8 @@ pass through its context:
   recompiles (:meth:`CompileEnv.prior_plan` / :meth:`CompileEnv.keep_plan`), and the
   bytes of gathered parameters other compiled graphs keep;
 * the agreement client (:meth:`CompileEnv.agree_kept`);
-* what the runtime offers: a cross-step prefetch provider, serial gloo groups.
+* what the runtime offers: a cross-step prefetch provider, serial gloo groups;
+* the cost model's row for the compile's device.
 
 A pass that decides something every rank must decide alike::
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from graphcomp.analysis import cost_model
 
 
 @dataclass
@@ -48,6 +51,9 @@ class CompileEnv:
     cross_step_prefetch: bool = False
     """Whether a ``graphcomp.optim.capture`` step with ``prefetch=True`` exists to issue
     the next forward's table gather (pass ``prefetch_across_steps``)."""
+    costs: cost_model.DeviceCosts = cost_model.REFERENCE
+    """The cost model's row for the device this compile plans for
+    (``graphcomp.analysis.cost_model``)."""
     is_serial_group: Callable[[str], bool] = lambda name: False
     """Whether the live process group ``name`` is a gloo group with one worker thread
     (its collectives run one at a time: a CPU graph may keep several in flight)."""
@@ -61,7 +67,7 @@ class CompileEnv:
         return cls(shard_groups=dict(session.shard_groups), exchange_groups=frozenset(session.exchange_groups),
                    plans=session.plans, kept_gather_bytes=session.kept_gather_bytes,
                    epoch=session.agree_seq.get("epoch", 0), cross_step_prefetch=PREFETCH.enabled(),
-                   is_serial_group=gloo_groups.is_serial)
+                   costs=cost_model.current(), is_serial_group=gloo_groups.is_serial)
 
     def prior_plan(self, kind: str, key: Any) -> Any:
         """The plan of ``kind`` recorded for ``key`` at the function's first compile, or

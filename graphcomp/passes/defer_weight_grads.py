@@ -23,8 +23,9 @@ cut and the last reduce-scatter that is not one of its ancestors; what a moved
 node's users need moves with it, so the order stays topological) until the modelled
 compute time of what moved reaches the modelled time of the last reduce-scatter and
 of the reduce-scatters that move with it (they now run after it): input bytes times
-``(W - 1) / W`` over ``COLLECTIVE_BYTES_PER_S``; matmuls at ``MATMUL_FLOPS_PER_S``
-(an H200's dense bf16 rate), other ops by ``remat``'s cost model. The cut is made in
+``(W - 1) / W`` over the bus bandwidth; matmuls at the matmul rate, other ops one
+kernel each (launch, bytes moved): ``graphcomp.analysis.cost_model``, the row of the
+compile's device. The cut is made in
 whole units, each ending at one reduce-scatter (the cut ends right after the
 ``k + 1``-th reduce-scatter before the last one, so ``k`` of them move); never past a
 node with side effects (a mutation, a random op) or a tensor-parallel collective. ``k``
@@ -56,23 +57,19 @@ from graphcomp.analysis import memory
 from graphcomp.analysis import graph_utils as gu
 from graphcomp.compiler.pipeline import PassContext, PassResult, register_pass
 
+from graphcomp.analysis import cost_model
+from graphcomp.analysis.cost_model import DeviceCosts
 from graphcomp.passes.remat import recompute_seconds
 
 c10d = torch.ops._c10d_functional
 
-COLLECTIVE_BYTES_PER_S = 250e9  # bus bandwidth of the cost model: an NVLink-class link (Config.collective_bytes_per_s overrides it)
-MATMUL_FLOPS_PER_S = 790e12  # dense bf16 matmul rate of the cost model: an H200's
-
-
-def compute_seconds(node: fx.Node) -> float:
-    """Modelled seconds of ``node``: a matmul's flops at ``MATMUL_FLOPS_PER_S`` (remat's
-    cost model uses half that, which is right for choosing what to recompute but
-    would cover a collective with half the compute it needs), anything else by
-    remat's model (bytes moved, launch)."""
+def compute_seconds(node: fx.Node, costs: DeviceCosts = cost_model.REFERENCE) -> float:
+    """Modelled seconds of ``node``: a matmul's flops at the cost model's matmul rate,
+    anything else one kernel (launch, bytes moved)."""
     flops = _compat.node_flops(node)
     if flops:
-        return flops / MATMUL_FLOPS_PER_S
-    return recompute_seconds(node)[0]
+        return costs.matmul_seconds(flops)
+    return recompute_seconds(node, costs)[0]
 
 
 _is_rs = gu.is_gradient_reduce_scatter
@@ -82,10 +79,10 @@ def _last_reduce_scatter(gm: fx.GraphModule) -> fx.Node | None:
     return next((n for n in reversed(gm.graph.nodes) if _is_rs(n)), None)
 
 
-def collective_seconds(in_bytes: int, world: int, bytes_per_s: float | None = None) -> float:
-    """Modelled seconds of a reduce-scatter of ``in_bytes`` over ``world`` ranks (ring),
-    at ``bytes_per_s`` (``Config.collective_bytes_per_s``; None: ``COLLECTIVE_BYTES_PER_S``)."""
-    return in_bytes * (world - 1) / world / (bytes_per_s or COLLECTIVE_BYTES_PER_S)
+def collective_seconds(in_bytes: int, world: int, costs: DeviceCosts = cost_model.REFERENCE) -> float:
+    """Modelled seconds of a reduce-scatter of ``in_bytes`` over ``world`` ranks (ring)
+    at the cost model's bus bandwidth (``Config.collective_bytes_per_s`` overrides it)."""
+    return costs.ring_seconds(in_bytes, world)
 
 
 def _in_bytes(rs: fx.Node) -> int:
@@ -137,7 +134,7 @@ class DeferPlan:
     structural: bool = False  # nothing to plan whatever the shapes (no agreement needed)
 
 
-def plan(gm: fx.GraphModule, k: int | None = None, bytes_per_s: float | None = None) -> DeferPlan:
+def plan(gm: fx.GraphModule, k: int | None = None, costs: DeviceCosts = cost_model.REFERENCE) -> DeferPlan:
     """The cut, in whole units of one reduce-scatter each: with ``k`` given (a plan
     agreed or reused), exactly ``k`` of them move; else the fewest whose compute covers
     the moved collectives by the cost model. Only ``k`` depends on shapes (through the
@@ -153,7 +150,7 @@ def plan(gm: fx.GraphModule, k: int | None = None, bytes_per_s: float | None = N
     if in_bytes <= 0:
         return DeferPlan(rs, n_rs=n_rs, why="the last reduce-scatter's size is unknown (symbolic shapes): nothing is "
                                             "modelled", structural=True)
-    target = collective_seconds(in_bytes, world, bytes_per_s)
+    target = collective_seconds(in_bytes, world, costs)
     if target <= 0:
         return DeferPlan(rs, n_rs=n_rs, why=f"the last reduce-scatter moves no bytes (world {world}): nothing to "
                                             "cover", structural=True)
@@ -170,9 +167,9 @@ def plan(gm: fx.GraphModule, k: int | None = None, bytes_per_s: float | None = N
             if (passed == k) if k is not None else (seconds > 0 and seconds >= target):
                 break
             passed += 1
-            target += collective_seconds(_in_bytes(n), world, bytes_per_s)  # it now runs after rs: cover it too
+            target += collective_seconds(_in_bytes(n), world, costs)  # it now runs after rs: cover it too
         elif gu.collective_kind(n) is None and n.target is not c10d.wait_tensor.default:
-            seconds += compute_seconds(n)
+            seconds += compute_seconds(n, costs)
         moved.append(n)
     moved.reverse()
     # a wait whose collective stays where it is stays too: a collective is never left in
@@ -256,8 +253,8 @@ def _fits(gm: fx.GraphModule, p: DeferPlan, budget: int) -> tuple[bool, int]:
 
 @register_pass("defer_weight_grads", stages=("bwd",), before=("schedule_prefetch",))
 def defer_weight_grads(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    wire = ctx.config.collective_bytes_per_s
-    p = plan(gm, bytes_per_s=wire)
+    costs = ctx.env.costs.with_wire(ctx.config.collective_bytes_per_s)
+    p = plan(gm, costs=costs)
     if p.structural:
         return ctx.unchanged(gm, p.why)
     budget = memory.resolve_budget(ctx.config.memory_budget, gm)
@@ -272,7 +269,7 @@ def defer_weight_grads(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if note:
         ctx.note(note)
     if k != p.k:
-        p = plan(gm, k, bytes_per_s=wire)
+        p = plan(gm, k, costs=costs)
     if p.why:
         return ctx.unchanged(gm, p.why)
     _reorder(gm, p.rs, p.moved)

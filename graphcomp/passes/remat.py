@@ -40,8 +40,9 @@ tag and its ``ac_graph_id`` (so the partitioner's region-boundary rule does not
 override the plan). Under ``"respect_user"`` they stay recomputed as written.
 
 **Cost model** (the same on every rank: it reads only shapes and the config).
-Recomputing ``n`` costs ``LAUNCH_S + max(flops / FLOPS_PER_S, io_bytes /
-BYTES_PER_S)``: flops from ``torch.utils.flop_counter``'s formulas (matmuls,
+Recomputing ``n`` costs one kernel of the cost model (``graphcomp.analysis.cost_model``:
+launch, then the slower of ``flops`` at the matmul rate and ``io_bytes`` at the memory
+bandwidth of the compile's device): flops from ``torch.utils.flop_counter``'s formulas (matmuls,
 attention, convolutions), io bytes its inputs plus its output (what an elementwise
 op moves). Recomputing it frees its bytes between its last forward use and the
 point the backward needs it again, but keeps its inputs live until then (the
@@ -92,14 +93,13 @@ import torch.fx as fx
 from graphcomp import _compat
 from graphcomp.analysis import memory
 from graphcomp.analysis import graph_utils as gu
+from graphcomp.analysis import cost_model
+from graphcomp.analysis.cost_model import DeviceCosts
 from graphcomp.passes import schedule_free
 from graphcomp.compiler.pipeline import PassContext, PassResult, register_pass
 
 log = logging.getLogger(__name__)
 
-FLOPS_PER_S = 400e12  # matmul throughput of the cost model (bf16 dense on a current GPU, order of magnitude)
-BYTES_PER_S = 2e12  # memory bandwidth of the cost model (elementwise ops)
-LAUNCH_S = 5e-6  # fixed cost per recomputed op
 MAX_NOTES = 20  # decisions listed by name in the pass record
 
 
@@ -150,11 +150,11 @@ class RematPlan:
         return sum(c.seconds for c in self.chosen)
 
 
-def recompute_seconds(node: fx.Node) -> tuple[float, int]:
-    """(modelled seconds to recompute ``node``, its flops)."""
+def recompute_seconds(node: fx.Node, costs: DeviceCosts = cost_model.REFERENCE) -> tuple[float, int]:
+    """(modelled seconds to recompute ``node``, its flops): one kernel of the cost model."""
     flops = _compat.node_flops(node)
     io = memory.value_bytes(node) + sum(memory.value_bytes(a) for a in node.all_input_nodes)
-    return LAUNCH_S + max(flops / FLOPS_PER_S, io / BYTES_PER_S), flops
+    return costs.op_seconds(flops, io), flops
 
 
 def _aliases(node: fx.Node, bwd: set[fx.Node]) -> list[fx.Node]:
@@ -181,8 +181,8 @@ def _recomputable_op(node: fx.Node) -> bool:
 MAX_UNIT = 32  # most nodes recomputed together for one candidate
 
 
-def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str, exclude: set[fx.Node] | frozenset = frozenset()
-               ) -> list[Candidate]:
+def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str, exclude: set[fx.Node] | frozenset = frozenset(),
+               costs: DeviceCosts = cost_model.REFERENCE) -> list[Candidate]:
     """Every candidate of the joint graph (module docstring), in graph order;
     ``exclude``: nodes another pass decides (``schedule_free``'s gathers).
 
@@ -235,7 +235,7 @@ def candidates(gm: fx.GraphModule, bwd: set[fx.Node], mode: str, exclude: set[fx
         fw = [idx[u] for u in users if u not in bwd]
         bw = [idx[u] for u in users if u in bwd]
         lo = max(fw) + 1 if fw else idx[n]
-        cost = [recompute_seconds(m) for m in unit]
+        cost = [recompute_seconds(m, costs) for m in unit]
         tagged = tuple(g for m in unit for g in info[m][0])
         out.append(Candidate(n, tagged, tuple(group), nbytes, sum(c[0] for c in cost), sum(c[1] for c in cost),
                              idx[n], lo, min(bw) - 2, _compat.is_user_checkpoint(n)))
@@ -394,7 +394,7 @@ def _add_recomputes(model: _Model, fixed: list[fx.Node], cands: list[Candidate],
 
 
 def plan(gm: fx.GraphModule, budget: int, mode: str, decided: set[fx.Node] | frozenset = frozenset(),
-         resharded: list[fx.Node] | tuple = ()) -> RematPlan:
+         resharded: list[fx.Node] | tuple = (), costs: DeviceCosts = cost_model.REFERENCE) -> RematPlan:
     """Choose the activations to recompute (module docstring: the policy).
     ``decided``: nodes ``schedule_free`` tags after this pass (gathers): never
     candidates, never cleared; ``resharded``: those of them modelled as recomputed
@@ -405,7 +405,7 @@ def plan(gm: fx.GraphModule, budget: int, mode: str, decided: set[fx.Node] | fro
     rec = resh.union(memory.tagged_recompute(gm, exclude=decided))
     tagged = [n for n in gm.graph.nodes if n in rec]
     _, before = model.reset(tagged)
-    respect = candidates(gm, bwd, "respect_user", decided)
+    respect = candidates(gm, bwd, "respect_user", decided, costs)
     chosen, est, infeasible = _add_recomputes(model, tagged, respect, budget)
     user_plan = RematPlan(respect, chosen, [g for c in chosen for g in c.group], [], before, est, infeasible, "user")
     users = [n for n in gm.graph.nodes if _compat.is_user_checkpoint(n) and n not in decided]
@@ -413,7 +413,7 @@ def plan(gm: fx.GraphModule, budget: int, mode: str, decided: set[fx.Node] | fro
         return user_plan
     # "auto" (a): from every activation saved, recompute what the budget needs
     fixed = [n for n in tagged if n in resh or not _compat.is_user_checkpoint(n)]
-    cands = candidates(gm, bwd, "auto", decided)
+    cands = candidates(gm, bwd, "auto", decided, costs)
     chosen, est, infeasible = _add_recomputes(model, fixed, cands, budget)
     saved_plan = RematPlan(cands, chosen, [g for c in chosen for g in c.group], users, before, est, infeasible)
     if user_plan.infeasible is None:
@@ -477,7 +477,7 @@ def remat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                  f"({schedule_free.OPTIMIZER_STATE_FACTOR}x the parameter shards) and {others} bytes other "
                  f"compiled functions keep gathered")
         budget -= reserve + others
-    p = plan(gm, budget, mode, decided, resharded)
+    p = plan(gm, budget, mode, decided, resharded, ctx.env.costs)
     Policy = _compat.checkpoint_policy()
     users = [n for n in gm.graph.nodes if _compat.is_user_checkpoint(n) and n not in decided]
     cleared = set(p.clear)

@@ -21,8 +21,9 @@ Which groups are resharded follows ``Config.reshard_after_forward``: ``True`` al
 ``False`` none, ``"except_last"`` all but the group the backward reads first (its
 first backward node's; the last block's bucket), ``"auto"`` (the default): start
 from all resharded and keep groups in order of re-gather cost per byte held
-(``(LATENCY_S + wire_bytes / BANDWIDTH_BPS) / held_bytes``; small, latency-bound
-gathers first; ties in graph order) while the static memory model
+(one collective of the cost model, ``graphcomp.analysis.cost_model``: latency plus
+wire bytes over the bus bandwidth, per byte held; small, latency-bound gathers first;
+ties in graph order) while the static memory model
 (``graphcomp.analysis.memory``) of the joint graph stays under ``Config.memory_budget``.
 The estimate counts what the partitioner recomputes as the graph is tagged (the
 user's checkpoint regions, ``remat``'s plan: ``memory.tagged_recompute``) as freed,
@@ -82,7 +83,8 @@ import torch
 import torch.fx as fx
 
 from graphcomp import _compat
-from graphcomp.analysis import memory
+from graphcomp.analysis import cost_model, memory
+from graphcomp.analysis.cost_model import DeviceCosts
 from graphcomp.analysis import graph_utils as gu
 from graphcomp.ops.collectives import OPS
 from graphcomp.compiler.pipeline import PassContext, PassResult, register_pass
@@ -92,10 +94,8 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 
-LATENCY_S = 20e-6  # per-collective latency of the re-gather cost model
 EXPANSION_RATIO = 8  # an expanding read's output / the gathered value's bytes, at least
 EXPANDING_OPS = {aten.index.Tensor, aten.index_select.default, aten.embedding.default}
-BANDWIDTH_BPS = 50e9  # bytes/s of the re-gather cost model
 OPTIMIZER_STATE_FACTOR = 2  # "auto" under the default budget: room for Adam's moments, x the shards' bytes
 
 # pure ops allowed in a gather's input chain (between the shard and the collective)
@@ -288,8 +288,10 @@ def reserved_bytes(ctx: PassContext, groups: list[GatherGroup]) -> tuple[int, in
     return optimizer_reserve(groups), sum(b for k, b in ctx.env.kept_gather_bytes.items() if k != key)
 
 
-def regather_cost_per_byte(g: GatherGroup) -> float:
-    return (LATENCY_S + g.wire_bytes / BANDWIDTH_BPS) / max(g.held_bytes, 1)
+def regather_cost_per_byte(g: GatherGroup, costs: DeviceCosts = cost_model.REFERENCE) -> float:
+    """Seconds of re-gathering ``g`` in the backward (one collective of the cost model)
+    per byte its keeping would hold."""
+    return costs.collective_seconds(g.wire_bytes) / max(g.held_bytes, 1)
 
 
 def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx: PassContext | None = None,
@@ -326,7 +328,8 @@ def choose_kept(gm: fx.GraphModule, groups: list[GatherGroup], budget: int, ctx:
         reason = (f"memory_budget={budget} bytes is infeasible: the estimated peak with every gathered "
                   f"parameter resharded is {est.peak_bytes} bytes (at {est.peak_node}); resharding everything")
         return set(), est, reason
-    order = sorted(range(len(groups)), key=lambda i: (-regather_cost_per_byte(groups[i]), i))
+    costs = ctx.env.costs.with_wire(ctx.config.collective_bytes_per_s) if ctx is not None else cost_model.REFERENCE
+    order = sorted(range(len(groups)), key=lambda i: (-regather_cost_per_byte(groups[i], costs), i))
 
     def resharded(kept_idx) -> set[fx.Node]:
         return everything - set().union(set(), *(roots[i] for i in kept_idx))

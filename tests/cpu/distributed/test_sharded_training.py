@@ -67,14 +67,9 @@ def _train_sharded(rank, world, cfg):
             return _train_sharded(rank, world, {**cfg, "zero_copy_cpu": False})
         finally:
             gc_backend.FramePlan = FramePlan
-    if cfg.get("defer_all"):  # defer_weight_grads models the wire as slow: it moves everything it may
-        import graphcomp.passes.defer_weight_grads as dwg
-
-        dwg.COLLECTIVE_BYTES_PER_S, saved = 1.0, dwg.COLLECTIVE_BYTES_PER_S
-        try:
-            return _train_sharded(rank, world, {**cfg, "defer_all": False})
-        finally:
-            dwg.COLLECTIVE_BYTES_PER_S = saved
+    if cfg.get("defer_all"):  # the wire modelled slow: defer_weight_grads moves everything it may
+        opts = {**cfg.get("options", {}), "collective_bytes_per_s": 1.0}
+        return _train_sharded(rank, world, {**cfg, "defer_all": False, "options": opts})
     torch.manual_seed(0)
     m = Llama(cfg.get("model", "tiny"))
     graphcomp.shard(m, param_dtype=cfg.get("param_dtype"))

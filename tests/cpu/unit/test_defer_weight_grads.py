@@ -8,6 +8,7 @@ import torch
 from _graphs import c10d, reduce_scatter, run_pass, trace, world1_group
 
 import graphcomp.passes.defer_weight_grads as dwg
+from graphcomp.analysis import cost_model
 
 aten = torch.ops.aten
 RS = c10d.reduce_scatter_tensor.default
@@ -72,12 +73,11 @@ def test_weight_gradients_before_the_table_gradient_move_after_its_reduce_scatte
     assert not rec.reason
 
 
-def test_more_bandwidth_moves_less(monkeypatch):
-    monkeypatch.setattr(dwg, "COLLECTIVE_BYTES_PER_S", 10e12)  # the collective is modelled short
+def test_more_bandwidth_moves_less():
     f, args = _backward()
     gm = trace(f, *args)
     dws, last = _mms(gm)[0::2], _rss(gm)[-1]
-    gm, rec = run_pass("defer_weight_grads", gm, stage="bwd")
+    gm, rec = run_pass("defer_weight_grads", gm, stage="bwd", collective_bytes_per_s=10e12)  # modelled short
     o = _order(gm)
     assert o[dws[2]] > o[last] and o[dws[1]] < o[last]  # one dW is enough
     assert rec.counts["weight_grad_nodes_deferred"] == 4 and rec.counts["reduce_scatters_deferred"] == 1
@@ -120,7 +120,7 @@ def test_order_is_restored_when_the_estimate_passes_the_budget(monkeypatch):
 
 
 def test_same_values_on_a_real_group(monkeypatch):
-    monkeypatch.setattr(dwg, "collective_seconds", lambda nbytes, world, bytes_per_s=None: 1.0)  # move everything it may
+    monkeypatch.setattr(dwg, "collective_seconds", lambda nbytes, world, costs=None: 1.0)  # move everything it may
     with world1_group() as group:
         f, args = _backward(h=16, tokens=8, vocab=32, world=1, group=group)
         gm = trace(f, *args)
@@ -222,8 +222,8 @@ def test_slower_modelled_wire_moves_more(monkeypatch):
 
     f, args = _backward()
     gm = trace(f, *args)
-    fast = dwg.plan(gm, bytes_per_s=1e15)
-    slow = dwg.plan(gm, bytes_per_s=1.0)
+    fast = dwg.plan(gm, costs=cost_model.REFERENCE.with_wire(1e15))
+    slow = dwg.plan(gm, costs=cost_model.REFERENCE.with_wire(1.0))
     assert slow.k > fast.k
     for bad in (0, -1.0, float("inf"), True, "fast"):
         with pytest.raises(ValueError, match="collective_bytes_per_s"):
