@@ -200,11 +200,13 @@ class Config:
     Default 16. Must be >= 1."""
 
     compile_once: bool = True
-    """Compile each stage graph on rank 0 only (default on): the other ranks whose
-    graph is the same wait for rank 0's compiled artifacts (through the default
-    process group's store) and load them instead of running Inductor; a rank whose
-    graph differs compiles its own (logged). Needs a torch that can record cache
-    artifacts; Inductor codegen only. ``False``: every rank compiles."""
+    """Compile each stage graph once per job (default on): a leader runs Inductor and
+    the ranks whose graph is the same load its compiled artifacts (through the default
+    process group's store) instead; a rank whose graph differs compiles its own
+    (logged). On CPU rank 0 leads every rank. Inductor's GPU code names its device, so
+    on GPUs rank ``i`` leads the ranks on device ``i`` of the other machines, and a
+    single machine shares nothing. Needs a torch that can record cache artifacts;
+    Inductor codegen only. ``False``: every rank compiles."""
 
     cache_dir: str | None = None
     """Directory of the compile cache kept across runs: one checksummed file per

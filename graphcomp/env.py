@@ -10,7 +10,8 @@
 
 It also reads the launcher's ``WORLD_SIZE`` (``torchrun``), with which
 ``graphcomp.integrations.hf_trainer`` tells a job of several ranks that ``Trainer``
-would run as one process, and ``TORCHINDUCTOR_CACHE_DIR`` as it was when graphcomp was
+would run as one process, its ``LOCAL_WORLD_SIZE`` (ranks per machine: compile once
+shares a GPU's compiled code with the ranks of the other machines), and ``TORCHINDUCTOR_CACHE_DIR`` as it was when graphcomp was
 imported (``Config.cache_dir`` moves Inductor's cache only when the user set none).
 """
 
@@ -51,6 +52,16 @@ def agree_timeout() -> float:
     if not 0 < t < float("inf"):
         raise ValueError(f"GRAPHCOMP_AGREE_TIMEOUT: expected a number of seconds > 0, got {v!r}")
     return t
+
+
+def local_world_size() -> int | None:
+    """The number of ranks the launcher started on this machine (``LOCAL_WORLD_SIZE``,
+    set by ``torchrun``); None when unset or not a number."""
+    v = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    try:
+        return max(1, int(v)) if v else None
+    except ValueError:
+        return None
 
 
 def launched_world_size() -> int:

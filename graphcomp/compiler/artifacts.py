@@ -6,11 +6,13 @@ passes, every CUDA-graph piece included) into FX-graph-cache entries: the genera
 wrapper and, on CUDA, the Triton kernels bundled with it. This module moves those
 entries, keyed by :func:`stage_key`:
 
-* **across ranks** (``Config.compile_once``, default on): rank 0 compiles and
+* **across ranks** (``Config.compile_once``, default on): a leader compiles and
   publishes its key, then its entries, through the default process group's store.
-  Every other rank whose key is the same waits for them, installs them in its local
-  Inductor cache and compiles with cache hits; a rank whose graph differs (a
-  rank-dependent constant, another path) compiles its own, logged at INFO.
+  Every rank it leads whose key is the same waits for them, installs them in its
+  local Inductor cache and compiles with cache hits; a rank whose graph differs (a
+  rank-dependent constant, another path) compiles its own, logged at INFO. On CPU
+  rank 0 leads every rank; on GPUs Inductor's code names its device, so rank ``i``
+  leads the ranks on device ``i`` of the other machines (:func:`leader_of`).
 * **across runs** (``Config.cache_dir`` / ``$GRAPHCOMP_CACHE_DIR``): one checksummed
   file per stage graph, ``<key>.gcart``. A file that does not verify is ignored with
   a warning (and replaced after the compile).
@@ -21,8 +23,8 @@ the device and the world size. It only decides what to load: Inductor still look
 loaded entry up by its own key, so an entry that does not fit is a cache miss (a
 compile), never a wrong program.
 
-A rank waiting for rank 0 logs every ``POLL_S`` seconds and gives up after
-``LEADER_WAIT_S`` (then compiles its own, with a warning); when rank 0's compile
+A rank waiting for its leader logs every ``POLL_S`` seconds and gives up after
+``LEADER_WAIT_S`` (then compiles its own, with a warning); when the leader's compile
 raises, the others compile their own at once.
 """
 
@@ -52,9 +54,9 @@ log = logging.getLogger(__name__)
 MAGIC = b"graphcomp-artifacts 1\n"
 SUFFIX = ".gcart"
 POLL_S = 10.0
-"""Seconds between two progress lines of a rank waiting for rank 0's compile."""
+"""Seconds between two progress lines of a rank waiting for its leader's compile."""
 LEADER_WAIT_S = 1800.0
-"""At most this long a rank waits for rank 0 to compile a graph equal to its own."""
+"""At most this long a rank waits for its leader to compile a graph equal to its own."""
 HASHED_CONSTANT_BYTES = 1 << 20
 """Of a constant tensor in the graph, the key hashes at most this many bytes (plus its metadata)."""
 
@@ -95,12 +97,34 @@ def _triton_version() -> str | None:
         return None
 
 
-def _device(example_inputs: Any) -> str:
+def _cuda_index(example_inputs: Any) -> int | None:
     for v in example_inputs or ():
         if isinstance(v, torch.Tensor) and v.device.type == "cuda":
-            p = torch.cuda.get_device_properties(v.device)
-            return f"cuda:{p.name}:{p.major}.{p.minor}:{torch.version.cuda}"
+            return v.device.index if v.device.index is not None else torch.cuda.current_device()
+    return None
+
+
+def _device(example_inputs: Any) -> str:
+    idx = _cuda_index(example_inputs)
+    if idx is not None:  # (the index too: Inductor's code names its device)
+        p = torch.cuda.get_device_properties(idx)
+        return f"cuda:{idx}:{p.name}:{p.major}.{p.minor}:{torch.version.cuda}"
     return "cpu"
+
+
+def leader_of(rank: int, world_size: int, cuda_index: int | None, local_world_size: int | None) -> tuple[int, int]:
+    """(the rank that compiles for ``rank``, how many other ranks load from it).
+
+    Inductor's generated code names its CUDA device, so only ranks on the same device
+    index share it: the leader of device ``i`` is rank ``i`` (the first machine's rank
+    on that device, as ``torchrun`` lays ranks out), its followers the ranks on device
+    ``i`` of the other machines. On CPU every rank shares rank 0's. A leader without
+    followers (one machine of GPUs) publishes nothing."""
+    if cuda_index is None:
+        return 0, world_size - 1
+    local = local_world_size or world_size
+    leader = cuda_index if cuda_index < world_size else 0
+    return leader, max(0, world_size // local - 1)
 
 
 def _tensor_meta(t: torch.Tensor) -> str:
@@ -227,26 +251,28 @@ class StageArtifacts:
     def compile(self, stage: str, gm: fx.GraphModule, example_inputs: Any, uuid: str,
                 compile_fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
         """``compile_fn()`` (Inductor's compile of the stage graph), with the stage's
-        artifacts loaded first where the cache directory or rank 0 has them; returns
+        artifacts loaded first where the cache directory or the leader has them; returns
         its result and a record for the frame summary (``source``: ``"compiled"``,
-        ``"cache_dir"`` or ``"rank 0"``; Inductor's cache hits and misses)."""
+        ``"cache_dir"`` or ``"rank N"``, the leader; Inductor's cache hits and misses)."""
         if not self.active:
             return compile_fn(), {"source": "compiled"}
         t0 = time.perf_counter()
         key = stage_key(gm, example_inputs, uuid, self.world_size, stage)
         rec: dict[str, Any] = {"key": key[:16]}
         path = self.dir / f"{key}{SUFFIX}" if self.dir is not None else None
-        base = f"graphcomp/compile_once/{self.store_id}/{stage}"
-        leader = self.store is not None and self.rank == 0
+        lead, followers = leader_of(self.rank, self.world_size, _cuda_index(example_inputs), env.local_world_size())
+        base = f"graphcomp/compile_once/{self.store_id}/{stage}/{lead}"
+        sharing = self.store is not None and followers > 0
+        leader = sharing and self.rank == lead
         source, blob = None, None
         if path is not None:
             blob = read_entry(path, key)
             source = "cache_dir" if blob is not None else None
         if leader:
             self._set(f"{base}/key", key.encode())
-        elif self.store is not None and blob is None:
-            blob, why = self._from_leader(base, key, stage)
-            source = "rank 0" if blob is not None else None
+        elif sharing and blob is None:
+            blob, why = self._from_leader(base, key, stage, lead, followers)
+            source = f"rank {lead}" if blob is not None else None
             if why:
                 rec["note"] = why
         if blob:
@@ -304,39 +330,41 @@ class StageArtifacts:
         except Exception:  # noqa: BLE001 - DistStoreError (timeout), or a store gone with rank 0
             return False
 
-    def _from_leader(self, base: str, key: str, stage: str) -> tuple[bytes | None, str | None]:
-        """Rank 0's artifacts for this stage when its key is ``key`` (None, and why not, otherwise)."""
-        # A first compile (every rank runs the same code) waits for rank 0's key; a
-        # recompile need not happen on rank 0 at all (a rank that met a new input shape
+    def _from_leader(self, base: str, key: str, stage: str, lead: int, followers: int
+                     ) -> tuple[bytes | None, str | None]:
+        """Rank ``lead``'s artifacts for this stage when its key is ``key`` (None, and why
+        not, otherwise); the last of its ``followers`` to read them drops them from the store."""
+        # A first compile (every rank runs the same code) waits for the leader's key; a
+        # recompile need not happen on the leader at all (a rank that met a new input shape
         # alone), so it only takes a key already there.
         wait_key = self.cfg.rank_agreement_timeout if self.first_compile else 0.0
         if not (self._has(f"{base}/key") or (wait_key and self._wait(f"{base}/key", wait_key))):
-            log.info("graphcomp: rank 0 published no %s graph for %s within %g s: compiling here",
-                     stage, base, wait_key)
-            return None, f"rank 0 published no graph within {wait_key:g} s"
+            log.info("graphcomp: rank %d published no %s graph for %s within %g s: compiling here",
+                     lead, stage, base, wait_key)
+            return None, f"rank {lead} published no graph within {wait_key:g} s"
         try:
             theirs = self.store.get(f"{base}/key").decode()
             if theirs != key:
-                log.info("graphcomp: rank %d's %s graph differs from rank 0's (key %s... vs %s...): compiling its own",
-                         self.rank, stage, key[:12], theirs[:12])
-                return None, "graph differs from rank 0's"
+                log.info("graphcomp: rank %d's %s graph differs from rank %d's (key %s... vs %s...): compiling its own",
+                         self.rank, stage, lead, key[:12], theirs[:12])
+                return None, f"graph differs from rank {lead}'s"
             t0 = time.perf_counter()
             while not self._wait(f"{base}/status", POLL_S):
                 waited = time.perf_counter() - t0
                 if waited >= LEADER_WAIT_S:
-                    warnings.warn(f"graphcomp: rank 0 did not finish compiling the {stage} graph within "
+                    warnings.warn(f"graphcomp: rank {lead} did not finish compiling the {stage} graph within "
                                   f"{LEADER_WAIT_S:g} s; compiling it here", RuntimeWarning, stacklevel=3)
-                    return None, "rank 0's compile timed out"
-                log.info("graphcomp: rank %d waiting %.0f s for rank 0's compile of the %s graph", self.rank,
-                         waited, stage)
+                    return None, f"rank {lead}'s compile timed out"
+                log.info("graphcomp: rank %d waiting %.0f s for rank %d's compile of the %s graph", self.rank,
+                         waited, lead, stage)
             status = self.store.get(f"{base}/status").decode()
             if status != "ok":
-                return None, f"rank 0: {status}"
+                return None, f"rank {lead}: {status}"
             blob = self.store.get(f"{base}/blob")
-        except Exception as e:  # noqa: BLE001 - the store went away (rank 0 died): compile here
+        except Exception as e:  # noqa: BLE001 - the store went away (its host, rank 0, died): compile here
             return None, f"store: {type(e).__name__}: {e}"
         finally:
             with contextlib.suppress(Exception):
-                if self.store.add(f"{base}/acks", 1) >= self.world_size - 1:
+                if self.store.add(f"{base}/acks", 1) >= followers:
                     self.store.delete_key(f"{base}/blob")  # every other rank has read it
         return blob, None

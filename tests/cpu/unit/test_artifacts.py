@@ -123,3 +123,15 @@ def test_cache_dir_moves_inductors_cache_unless_the_user_chose_one(monkeypatch, 
     monkeypatch.setattr(env, "_INDUCTOR_CACHE_DIR_AT_IMPORT", "/users/choice")
     artifacts.point_inductor_cache(tmp_path / "c")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/users/choice"
+
+
+def test_leaders_share_only_a_device_index():
+    # CPU: rank 0 leads everyone
+    assert artifacts.leader_of(3, 4, None, 4) == (0, 3)
+    # one machine of 8 GPUs: every rank leads itself, nothing to share (no waiting)
+    assert artifacts.leader_of(5, 8, 5, 8) == (5, 0)
+    # two machines of 4 GPUs: rank 6 (device 2 of the second) loads rank 2's code
+    assert artifacts.leader_of(6, 8, 2, 4) == (2, 1)
+    assert artifacts.leader_of(2, 8, 2, 4) == (2, 1)
+    # no LOCAL_WORLD_SIZE: one machine assumed
+    assert artifacts.leader_of(1, 2, 1, None) == (1, 0)
