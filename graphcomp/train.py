@@ -331,14 +331,25 @@ def _device_type(params: list[torch.Tensor]) -> str:
 
 
 def _get_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model and optimizer state with every sharded tensor in its logical shape
+    (the optimizer's moments as the parameters are), so that a checkpoint loads on
+    another world size."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_state_dict(model, opt)
+    from graphcomp.sharding.shard import optimizer_state_to_logical
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    optimizer_state_to_logical(model, optim_sd)
+    return model_sd, optim_sd
 
 
 def _set_state_dict(model: nn.Module, opt: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    from graphcomp.sharding.shard import optimizer_state_to_padded
+
+    optim_sd = {**optim_sd, "state": {k: dict(v) for k, v in (optim_sd.get("state") or {}).items()}}
+    optimizer_state_to_padded(model, optim_sd)  # (a copy: the caller's dict keeps what it loaded)
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 

@@ -581,6 +581,51 @@ def _load_state_dict_pre_hook(
             state_dict[key] = param.detach()  # loads nothing; the error is raised by load_state_dict
 
 
+def sharded_parameters(model: nn.Module) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
+    """Fully-qualified name -> (parameter, its ShardInfo), for every parameter of
+    ``model`` that :func:`shard` sharded."""
+    out: dict[str, tuple[torch.Tensor, ShardInfo]] = {}
+    for mname, mod in model.named_modules():
+        for name, info in (mod.__dict__.get(_INFO_ATTR) or {}).items():
+            out[f"{mname}.{name}" if mname else name] = (mod._parameters[name], info)
+    return out
+
+
+def optimizer_state_to_logical(model: nn.Module, optim_sd: dict[str, Any]) -> None:
+    """In ``optim_sd`` (``get_state_dict``'s optimizer part), each state tensor of a
+    sharded parameter in the parameter's padded layout -> a DTensor of the logical
+    shape (as ``model.state_dict()`` presents parameters), so that DCP can load it on
+    another world size. Replaces ``optim_sd``'s per-parameter dicts, never the
+    optimizer's own."""
+    from torch.distributed.tensor import DTensor
+
+    params = sharded_parameters(model)
+    states = optim_sd.get("state") or {}
+    for fqn, state in list(states.items()):
+        if fqn not in params:
+            continue
+        param, info = params[fqn]
+        state = states[fqn] = dict(state)  # (get_state_dict hands out the optimizer's own dicts)
+        for k, v in state.items():
+            if (isinstance(v, DTensor) and tuple(v.shape) == tuple(param.shape) and v.device_mesh == param.device_mesh
+                    and tuple(v.placements) == tuple(param.placements)):
+                state[k] = _logical_dtensor(v, info)
+
+
+def optimizer_state_to_padded(model: nn.Module, optim_sd: dict[str, Any]) -> None:
+    """The inverse of :func:`optimizer_state_to_logical`: each state tensor of a
+    sharded parameter given in its logical shape (of any layout, or a full tensor) ->
+    the parameter's padded layout, ready for ``set_state_dict``. In place."""
+    params = sharded_parameters(model)
+    for fqn, state in (optim_sd.get("state") or {}).items():
+        if fqn not in params:
+            continue
+        param, info = params[fqn]
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(info.shape) and v.dim() > 0:
+                state[k] = _to_padded(v, param, info, f"optimizer state {fqn}.{k}")
+
+
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict with plain full tensors (sharded parameters
     assembled with all-gathers: every rank must call this). ``rank0_only``:
