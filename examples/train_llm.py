@@ -8,7 +8,8 @@
         --data train.bin --data-dtype uint16 --batch-size 4 --seq-len 2048 \
         --grad-accum 4 --steps 1000 --ckpt-dir ckpt --ckpt-interval 200
 
-    # continue from the latest complete checkpoint (same world size and --steps):
+    # continue from the latest complete checkpoint (same --steps; another number of
+    # ranks reshards the state and changes the global batch):
     torchrun --nproc-per-node 8 examples/train_llm.py ... --ckpt-dir ckpt --resume
 
     # any graphcomp.Config field: --option KEY=VALUE (VALUE is JSON, else a string);
@@ -378,10 +379,10 @@ def load_checkpoint(path: Path, args, step, data: Batches, world: int) -> int:
     import torch.distributed.checkpoint as dcp
 
     trainer = json.loads((path / "trainer.json").read_text())
-    if trainer["world_size"] != world:
-        raise ValueError(f"checkpoint {str(path)!r} was written by {trainer['world_size']} ranks, this run has "
-                         f"{world}: graphcomp's optimizer state is padded per world size, resume with "
-                         f"{trainer['world_size']} ranks")
+    if trainer["world_size"] != world and dist.get_rank() == 0:  # DCP reshards the state; the batch changes
+        print(f"[train] checkpoint {path} was written by {trainer['world_size']} ranks, this run has {world}: "
+              f"the state is resharded; the global batch is now {world * args.batch_size * args.grad_accum} "
+              f"sequences (was {trainer['world_size'] * args.batch_size * args.grad_accum})", flush=True)
     if trainer["data"] != data.describe():
         raise ValueError(f"checkpoint {str(path)!r} was trained on data {trainer['data']}, this run reads "
                          f"{data.describe()}: the data stream would not continue (same --data and --seed)")
