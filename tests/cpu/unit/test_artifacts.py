@@ -135,3 +135,14 @@ def test_leaders_share_only_a_device_index():
     assert artifacts.leader_of(2, 8, 2, 4) == (2, 1)
     # no LOCAL_WORLD_SIZE: one machine assumed
     assert artifacts.leader_of(1, 2, 1, None) == (1, 0)
+
+
+def test_inspect_says_where_each_stage_graph_came_from():
+    from graphcomp.tools.inspect_dumps import artifacts_text
+
+    frame = {"stages": {"fwd": {"artifacts": {"source": "rank 0", "key": "abcd", "fx_graph_cache_hits": 1,
+                                              "fx_graph_cache_misses": 0}},
+                        "bwd": {"artifacts": {"source": "compiled"}},  # (no key: the feature was off)
+                        "joint": {}}}
+    assert artifacts_text(frame) == "fwd: rank 0 (key abcd, Inductor cache 1 hit(s), 0 miss(es))"
+    assert artifacts_text({"stages": {}}) is None
