@@ -58,7 +58,7 @@ def ranks4(shared_ranks4):
     return shared_ranks4.view(timeout=300)
 
 
-@pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4)])
+@pytest.mark.parametrize("saved_on,resumed_on", [(4, 2)])  # (2 -> 4 passes too; left out for CI's time)
 def test_resume_on_another_world_size_continues_the_training(ranks2, ranks4, tmp_path, saved_on, resumed_on):
     pools = {2: ranks2, 4: ranks4}
     ckpt = str(tmp_path / "ckpt")
