@@ -616,13 +616,17 @@ def optimizer_state_to_padded(model: nn.Module, optim_sd: dict[str, Any]) -> Non
     """The inverse of :func:`optimizer_state_to_logical`: each state tensor of a
     sharded parameter given in its logical shape (of any layout, or a full tensor) ->
     the parameter's padded layout, ready for ``set_state_dict``. In place."""
+    from torch.distributed.tensor import DTensor
+
     params = sharded_parameters(model)
     for fqn, state in (optim_sd.get("state") or {}).items():
         if fqn not in params:
             continue
         param, info = params[fqn]
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(info.shape) and v.dim() > 0:
+            # a 0-dim parameter's state is a DTensor too; a plain 0-dim tensor is a step count
+            if (isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(info.shape)
+                    and (v.dim() > 0 or isinstance(v, DTensor))):
                 state[k] = _to_padded(v, param, info, f"optimizer state {fqn}.{k}")
 
 
