@@ -20,6 +20,7 @@ overrides the collective bandwidth (a slower or faster wire than NVLink).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -87,7 +88,12 @@ def current() -> DeviceCosts:
 
     if not torch.cuda.is_available():
         return REFERENCE
-    name = torch.cuda.get_device_name(torch.cuda.current_device())
+    return _row_of(torch.cuda.get_device_name(torch.cuda.current_device()))
+
+
+@functools.cache
+def _row_of(name: str) -> DeviceCosts:
+    """:func:`for_device_name`, said once per device name when it falls back."""
     row = for_device_name(name)
     if row is REFERENCE and REFERENCE.name not in name.upper():
         log.info("graphcomp: no cost-model row for %r: planning with the %s's", name, REFERENCE.name)

@@ -112,8 +112,8 @@ def _device(example_inputs: Any) -> str:
     return "cpu"
 
 
-def leader_of(rank: int, world_size: int, cuda_index: int | None, local_world_size: int | None) -> tuple[int, int]:
-    """(the rank that compiles for ``rank``, how many other ranks load from it).
+def leader_of(world_size: int, cuda_index: int | None, local_world_size: int | None) -> tuple[int, int]:
+    """(the rank that compiles for the ranks on ``cuda_index``, how many other ranks load from it).
 
     Inductor's generated code names its CUDA device, so only ranks on the same device
     index share it: the leader of device ``i`` is rank ``i`` (the first machine's rank
@@ -131,10 +131,13 @@ def _tensor_meta(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)}/{tuple(t.stride())}/{t.dtype}/{t.device.type}/{t.requires_grad}"
 
 
+_SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _input_meta(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return _tensor_meta(v)
-    if isinstance(v, (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)):
+    if isinstance(v, _SCALARS):
         return f"{type(v).__name__}:{v}"
     return type(v).__name__  # (an opaque object: its repr names its address)
 
@@ -180,12 +183,8 @@ def _opaque_inputs_unread(gm: fx.GraphModule, example_inputs: Any) -> bool:
     backward, is not reading it): then Inductor's key
     may leave out the mesh's rank-dependent fields (``rank_free_mesh_keys``)."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return not any(not _plain(v) and any(u.op != "output" for u in ph.users)
+    return not any(not isinstance(v, (torch.Tensor, *_SCALARS)) and any(u.op != "output" for u in ph.users)
                    for ph, v in zip(phs, example_inputs or ()))
-
-
-def _plain(v: Any) -> bool:
-    return isinstance(v, (torch.Tensor, bool, int, float, type(None), torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 # --------------------------------------------------------------------- disk
@@ -260,7 +259,7 @@ class StageArtifacts:
         key = stage_key(gm, example_inputs, uuid, self.world_size, stage)
         rec: dict[str, Any] = {"key": key[:16]}
         path = self.dir / f"{key}{SUFFIX}" if self.dir is not None else None
-        lead, followers = leader_of(self.rank, self.world_size, _cuda_index(example_inputs), env.local_world_size())
+        lead, followers = leader_of(self.world_size, _cuda_index(example_inputs), env.local_world_size())
         base = f"graphcomp/compile_once/{self.store_id}/{stage}/{lead}"
         sharing = self.store is not None and followers > 0
         leader = sharing and self.rank == lead

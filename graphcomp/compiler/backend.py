@@ -180,9 +180,9 @@ class FrameCompiler:
                 _compat.inductor_fusion_search(self.cfg.inductor_fusion_search), self.progress.phase(f"Inductor {stage}"):
             out, self.record.stages[stage]["artifacts"] = self.artifacts.compile(
                 stage, gm, example_inputs, self.uuid, build)
-        self._flush()  # (the backward compiles at the first backward, after compile() flushed)
         if ours:
             self._note_memory_reorder(stage, allow, replaced)
+        self._flush()  # (the backward compiles at the first backward, after compile() flushed)
         return out
 
     def _note_memory_reorder(self, stage: str, allowed: bool, replaced: list[bool]) -> None:
@@ -198,7 +198,6 @@ class FrameCompiler:
                      "inductor_memory_reorder=False keeps them)", self.frame_id, stage, n, len(replaced))
         if len(replaced) - n:
             SESSION.counters.add("inductor_memory_orders_kept", len(replaced) - n)
-        self._flush()
 
     # ------------------------------------------------- split graphs (cudagraphs)
     def _stage_inputs(self, stage: str, gm: fx.GraphModule, static_idxs: list[int], inference: bool) -> None:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphcomp.tools.options_arg import parse_options
 
     try:
-        extra = parse_options(args.option, {"codegen": args.codegen, "dump_dir": args.dump_dir or None})
+        options = parse_options(args.option, {"codegen": args.codegen, "dump_dir": args.dump_dir or None})
     except ValueError as e:
         p.error(str(e))
     import torch
@@ -97,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     param_dtype = torch.bfloat16 if use_cuda else None
     graphcomp.shard(model, param_dtype=param_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=use_cuda or None)
-    options = extra
     step_fn = graphcomp.train_step(model, opt, max_norm=1.0, options=options)
     per_rank = args.batch // world
     try:

@@ -127,14 +127,13 @@ def test_cache_dir_moves_inductors_cache_unless_the_user_chose_one(monkeypatch, 
 
 def test_leaders_share_only_a_device_index():
     # CPU: rank 0 leads everyone
-    assert artifacts.leader_of(3, 4, None, 4) == (0, 3)
+    assert artifacts.leader_of(4, None, 4) == (0, 3)
     # one machine of 8 GPUs: every rank leads itself, nothing to share (no waiting)
-    assert artifacts.leader_of(5, 8, 5, 8) == (5, 0)
+    assert artifacts.leader_of(8, 5, 8) == (5, 0)
     # two machines of 4 GPUs: rank 6 (device 2 of the second) loads rank 2's code
-    assert artifacts.leader_of(6, 8, 2, 4) == (2, 1)
-    assert artifacts.leader_of(2, 8, 2, 4) == (2, 1)
+    assert artifacts.leader_of(8, 2, 4) == (2, 1)
     # no LOCAL_WORLD_SIZE: one machine assumed
-    assert artifacts.leader_of(1, 2, 1, None) == (1, 0)
+    assert artifacts.leader_of(2, 1, None) == (1, 0)
 
 
 def test_inspect_says_where_each_stage_graph_came_from():
