@@ -19,6 +19,7 @@ import torch
 
 from graphcomp import _compat
 from graphcomp.sharding.prefetch import PREFETCH
+from graphcomp.runtime import capture
 from graphcomp.runtime.manager import RUNTIME
 from graphcomp.session import SESSION
 from graphcomp.optim import clip_fold
@@ -75,8 +76,6 @@ class CapturedStep:
         self.reason: str | None = None  # why the step is eager, if it is
         self.decisions: list[str] = []  # every decision, in order (also logged)
         self._graph: Any = None
-        self._capturing_into: Any = None  # the graph being captured (the body then builds an IF node)
-        self._pool: Any = None
         self._adopted = False
         self._released = False
         self._initialized: set[int] = set()  # ids of params an eager step has updated (their state exists)
@@ -283,12 +282,13 @@ class CapturedStep:
             if self.skip:
                 self._finite.copy_(torch.isfinite(local))
                 self._skipped.add_(torch.logical_not(self._finite))
-                if self._capturing_into is not None and self.skip_by == "if_node":
+                into = capture.recording()  # the graph being captured (this step's or a whole step's)
+                if into is not None and self.skip_by == "if_node":
                     # one IF node per phase: the mark (an event record node) between them, in
                     # the graph itself (a conditional body holds kernels only)
                     self._run_phases(phases, early,
-                                     lambda phase: RUNTIME.device.run_if(self._capturing_into, self._finite, phase))
-                elif self._capturing_into is not None:
+                                     lambda phase: RUNTIME.device.run_if(into.graph, self._finite, phase))
+                elif into is not None:
                     # the fused kernel leaves parameters and state alone, and undoes its step
                     # count, where found_inf is 1 (the gradients are clipped by a non-finite
                     # coefficient then, as the step is skipped they are only read by the user)
@@ -495,8 +495,7 @@ class CapturedStep:
         return out
 
     def _drop_graph(self) -> None:
-        if self._graph is not None:
-            RUNTIME.device.reset_graph(self._graph)
+        capture.release(self._graph)
         self._graph = None
 
     def _capture(self, with_grad: list[torch.Tensor]) -> bool:
@@ -504,14 +503,6 @@ class CapturedStep:
         capture fails in ``cudagraphs="auto"``."""
         RUNTIME.ensure()
         RUNTIME.register_owner(self)
-        dev = RUNTIME.device
-        # a private pool (temporaries never overlap the shared pool's tensors), new for
-        # every capture: torch asserts (CachingHostAllocator / CUDACachingAllocator,
-        # "it->second->use_count > 0" in beginAllocateToPool) when a capture reuses a
-        # pool id whose graphs were all reset while its blocks are still held (the
-        # previous capture's norm and skip buffers), as a re-capture after the gradients
-        # moved would. The previous pool goes back once its tensors die.
-        self._pool = dev.pool_handle()
         self._with_grad = self._step_params = with_grad
         if self._copy_mode:
             self._make_grad_buffers()
@@ -521,24 +512,20 @@ class CapturedStep:
             with self._bound():
                 early, rest = self._split(with_grad)
                 self._exact_fold(with_grad, [early, rest] if early else [with_grad])
-        g = dev.new_graph()
-        stream = RUNTIME.stream
-        dev.wait(stream, dev.current_stream())
-        self._capturing_into = g
         try:
-            with RUNTIME.capturing():
-                dev.capture(g, self._pool, stream, self._body, [], [])
+            # a private pool (temporaries never overlap the shared pool's tensors), new for
+            # every capture: torch asserts (CachingHostAllocator / CUDACachingAllocator,
+            # "it->second->use_count > 0" in beginAllocateToPool) when a capture reuses a
+            # pool id whose graphs were all reset while its blocks are still held (the
+            # previous capture's norm and skip buffers), as a re-capture after the gradients
+            # moved would. The previous pool goes back once its tensors die.
+            rec = capture.capture("optimizer", self._body, pool=capture.PRIVATE)
         except Exception as e:
-            self._capturing_into = None
-            dev.wait(dev.current_stream(), stream)
             if self.require:
                 raise
             self._go_eager(f"capture failed: {type(e).__name__}: {e}")
             return False
-        finally:
-            self._capturing_into = None
-        dev.wait(dev.current_stream(), stream)
-        self._graph = g
+        self._graph = rec.graph
         self._graph_marks, self._marked = self._marked, frozenset()
         self._grad_ptrs = self._grad_key(_compat.grads_of(self._params))
         self._static_ptrs = tuple(t.data_ptr() for t in self._static_tensors())
@@ -667,8 +654,9 @@ class CapturedStep:
         return self._norm
 
     def __call__(self) -> torch.Tensor:
-        if RUNTIME.active_step is not None:
-            return self._inline(RUNTIME.active_step)
+        outer = capture.recording("step")
+        if outer is not None:
+            return self._inline(outer)
         plan = self._plan()
         if plan == "reference":
             self._reference_step()
@@ -716,12 +704,10 @@ class CapturedStep:
             raise RuntimeError(f"graphcomp.optim: {self.name} cannot be recorded into a whole-step capture: {why}")
         self._step_params = with_grad
         self._inline_hyper = self._hyper_key()  # (not _hyper: that is the own graph's)
-        self._capturing_into = outer.graph_being_captured
         self._inline_now = True
         try:
             self._body([])
         finally:
-            self._capturing_into = None
             self._inline_now = False
         outer.add_hook(self._outer_hook)
         SESSION.counters.add("optimizer_steps_in_step_graph")

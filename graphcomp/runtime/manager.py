@@ -7,7 +7,8 @@ the same object; ``graphcomp.reset()`` resets it in place). It holds:
 * the side stream every warm-up and capture runs on,
 * weak references to every :class:`~graphcomp.runtime.runner.CudaGraphRunner`, so
   :func:`teardown` can release all graphs,
-* the capture depth behind :func:`is_capturing`,
+* the capture depth behind :func:`is_capturing`, and the captures in progress
+  (:func:`graphcomp.runtime.capture.recording`),
 * the pool's output ledger (:class:`PoolLedger`): which captured graphs handed
   out tensors that live in the pool, in capture order, so a replay never
   overwrites one that is still referenced.
@@ -53,7 +54,7 @@ class Runtime:
         # calls their release(final=True); they allocate from pools of their own
         self.owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._capturing = 0
-        self.active_step: Any = None  # the graphcomp.capture_step whose function is being captured
+        self.recordings: list[Any] = []  # the captures in progress (capture.Recording), innermost last
         self._setup_done = False
         self.ledger = PoolLedger()
         self.warmed_groups: set[str] = set()  # process groups whose first collective ran in a warm-up
@@ -211,7 +212,7 @@ class Runtime:
         self.pool = None
         self.stream = None
         self._capturing = 0
-        self.active_step = None
+        self.recordings = []
         self._setup_done = False
         self.ledger = PoolLedger()
         self.warmed_groups = set()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from graphcomp import _compat
+from graphcomp.runtime import capture
 from graphcomp.session import SESSION
 
 
@@ -310,8 +311,7 @@ class Capture:
             self.outputs, self.tracked, self.orphan = [], [], False
 
     def release(self, keep_live_outputs: bool = True) -> None:
-        if self.graph is not None:
-            SESSION.runtime.device.reset_graph(self.graph)
+        capture.release(self.graph)
         self.graph = None
         self.inputs = []
         self.first = None

@@ -11,7 +11,7 @@ the piece runs eagerly with a warning. For each capture::
                and so are the trial capture's (its throwaway graph is replayed
                once): a capture call issues each collective once (the replay of
                the real capture), as a replay call does
-    capture  : torch.cuda.CUDAGraph captured on the capture stream into the
+    capture  : captured (runtime.capture.capture) on the capture stream into the
                shared pool (RUNTIME.pool)
     replay   : copy "copy" inputs into static buffers (one torch._foreach_copy_),
                check static addresses, replay, hand outputs back
@@ -71,6 +71,7 @@ from graphcomp.errors import CaptureFailed as _CaptureFailed
 from graphcomp.errors import CudaGraphsRequired, StaticAddressError, failing_source as _failing_source
 from graphcomp.compiler.plan import PieceStats
 from graphcomp.session import SESSION
+from graphcomp.runtime import capture
 from graphcomp.runtime.manager import RUNTIME
 from graphcomp.runtime.pool import Capture, _storage_id, _storage_ptr, describe_holders
 from graphcomp.runtime.static import memory_of, static_buffer
@@ -271,7 +272,7 @@ class CudaGraphRunner:
                 # the trial graph is replayed once: captured without its collectives, so
                 # that replay issues none (a capture call's one issue is the real replay)
                 with _compat.collectives_not_run(None):
-                    dev.trial_capture(stream, self.fn, static_in)
+                    capture.trial_capture(self.fn, static_in)
                 secs["trial_capture"] = secs.get("trial_capture", 0.0) + time.perf_counter() - t1
             dev.wait(dev.current_stream(), stream)
         except Exception as e:  # noqa: BLE001 - any failure: the piece runs eagerly (or "require" raises)
@@ -287,30 +288,28 @@ class CudaGraphRunner:
                    if isinstance(x, torch.Tensor) and k != "copy"]
         buf_storages = {_storage_id(x) for x, k in zip(static_in, self.kinds) if isinstance(x, torch.Tensor) and k == "copy"}
         t2 = time.perf_counter()
-        with RUNTIME.capturing():
-            g = dev.new_graph()
-            # hold only our own static buffers: a non-copy input (a saved activation,
-            # another piece's output) must not be kept alive by this capture
-            self._static_slots = [i for i, (x, k) in enumerate(zip(static_in, self.kinds)) if isinstance(x, torch.Tensor) and k != "copy"]
-            ins = list(static_in)
-            for i in self._static_slots:
-                static_in[i] = None
-            args.clear()
-            try:
-                RUNTIME.keep_pool()
-                outs = dev.capture(g, RUNTIME.pool, stream, self.fn, ins, static_in)
-            except Exception as e:  # noqa: BLE001
-                self._disable(f"capture failed after a successful trial capture: {type(e).__name__}: {e}")
-                raise RuntimeError(
-                    f"graphcomp: capturing CUDA-graph piece {self.name} failed after its trial capture succeeded "
-                    f"({type(e).__name__}: {e}); this call's inputs were consumed by the capture and cannot be "
-                    f"recomputed. The piece runs eagerly from the next call on; compile with cudagraphs='off' to "
-                    f"avoid capture altogether."
-                ) from e
-            del ins
-        dev.wait(dev.current_stream(), stream)
+        # hold only our own static buffers: a non-copy input (a saved activation,
+        # another piece's output) must not be kept alive by this capture
+        self._static_slots = [i for i, (x, k) in enumerate(zip(static_in, self.kinds)) if isinstance(x, torch.Tensor) and k != "copy"]
+        ins = list(static_in)
+        for i in self._static_slots:
+            static_in[i] = None
+        args.clear()
+        try:
+            rec = capture.capture("piece", self.fn, ins, static_in, pool=capture.SHARED)
+        except Exception as e:  # noqa: BLE001
+            self._disable(f"capture failed after a successful trial capture: {type(e).__name__}: {e}")
+            raise RuntimeError(
+                f"graphcomp: capturing CUDA-graph piece {self.name} failed after its trial capture succeeded "
+                f"({type(e).__name__}: {e}); this call's inputs were consumed by the capture and cannot be "
+                f"recomputed. The piece runs eagerly from the next call on; compile with cudagraphs='off' to "
+                f"avoid capture altogether."
+            ) from e
+        del ins
+        outs = rec.outputs
         secs["capture"] = secs.get("capture", 0.0) + time.perf_counter() - t2
-        cap.graph = g
+        cap.graph = rec.graph
+        del rec
         in_index = {r.cdata: i for i, r in in_refs if not r.expired()}
         del in_refs
         # internal outputs are released (see the module docstring); views of a non-copied

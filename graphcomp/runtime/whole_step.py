@@ -65,6 +65,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphcomp import _compat
+from graphcomp.runtime import capture
 from graphcomp.runtime.manager import RUNTIME
 from graphcomp.session import SESSION
 
@@ -99,8 +100,6 @@ class StepCapture:
         self.decisions: list[str] = []
         self.calls = self.replays = self.recaptures = 0
         self.graph: Any = None
-        self.graph_being_captured: Any = None  # (a captured optimizer step records into it: run_if)
-        self._pool: Any = None
         self._key: Any = None  # the inputs' structure, shapes, dtypes, devices and non-tensor values
         self._static: list[torch.Tensor] = []  # the graph's input buffers
         self._outs: list[Any] = []  # the graph's outputs (flat)
@@ -125,12 +124,6 @@ class StepCapture:
             self._decide(f"{why}; the step runs uncaptured from now on", logging.WARNING)
             warnings.warn(f"graphcomp.capture_step: {self.name}: {why}; the step runs uncaptured from now on",
                           RuntimeWarning, stacklevel=4)
-
-    def add_hook(self, hook: Callable[[], str | None]) -> None:
-        """Host work to run before each replay (called while ``fn`` is captured):
-        returns None, or why this call cannot replay."""
-        if hook not in self._hooks:
-            self._hooks.append(hook)
 
     # ------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -214,13 +207,7 @@ class StepCapture:
         """What the graph holds: ``fn`` on the static inputs, every runner inline."""
         boxed.clear()
         args, kwargs = tree_unflatten(list(self._body_args), self._in_spec)
-        prev = RUNTIME.active_step
-        RUNTIME.active_step = self
-        try:
-            with RUNTIME.capturing():
-                out = self.fn(*args, **kwargs)
-        finally:
-            RUNTIME.active_step = prev
+        out = self.fn(*args, **kwargs)
         leaves, self._out_spec = tree_flatten(out)
         bad = [type(x).__name__ for x in leaves if x is not None and not isinstance(x, torch.Tensor)]
         if bad:
@@ -229,7 +216,6 @@ class StepCapture:
         return leaves
 
     def _capture(self, leaves: list[Any], spec: Any, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        dev = RUNTIME.device
         RUNTIME.ensure()
         RUNTIME.register_owner(self)
         grads_before = _compat.grads_of(self.params)
@@ -246,17 +232,9 @@ class StepCapture:
         owners = [o for o in list(RUNTIME.owners) if hasattr(o, "prepare_for_step_capture")]
         for prepare in dict.fromkeys([*self._prepare, *(o.prepare_for_step_capture for o in owners)]):
             prepare()
-        self._pool = dev.pool_handle()  # private: never overlaps the pieces' shared pool
-        g = dev.new_graph()
-        stream = RUNTIME.stream
-        dev.wait(stream, dev.current_stream())
-        self.graph_being_captured = g
-        try:
-            with RUNTIME.capturing():
-                outs = dev.capture(g, self._pool, stream, self._body, [], [])
+        try:  # (a private pool: never overlaps the pieces' shared pool)
+            rec = capture.capture("step", self._body, pool=capture.PRIVATE)
         except Exception as e:  # noqa: BLE001 - any failure: uncaptured from now on (or raise)
-            self.graph_being_captured = None
-            dev.wait(dev.current_stream(), stream)
             # gradients the aborted capture assigned hold memory no kernel wrote: the
             # call that runs now must find the gradients as they were
             for p, gr in zip(self.params, grads_before):
@@ -271,9 +249,10 @@ class StepCapture:
             self._go_uncaptured(f"capture failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
                                 f"{where}")
             return self._run(args, kwargs)  # (a capture executes nothing: this call's step runs now)
-        self.graph_being_captured = None
-        dev.wait(dev.current_stream(), stream)
-        self.graph, self._outs, self._key = g, list(outs), key
+        # host work each replay needs (registered while fn was captured: the captured
+        # optimizer steps' lr refresh and checks); returns None, or why it cannot replay
+        self._hooks = list(rec.hooks)
+        self.graph, self._outs, self._key = rec.graph, list(rec.outputs), key
         self._static_ptrs = self._static_key()
         self._checked = 0
         self.mode = "captured"
@@ -282,14 +261,13 @@ class StepCapture:
                      f"{len(self._hooks)} host hook(s) before each replay)")
         for hook in self._hooks:  # (the host work every replay gets: the lr refresh)
             hook()
-        g.replay()  # the capture call's own step
+        self.graph.replay()  # the capture call's own step
         self.replays += 1
         SESSION.counters.add("step_replays")
         return self._result()
 
     def _drop_graph(self) -> None:
-        if self.graph is not None:
-            RUNTIME.device.reset_graph(self.graph)
+        capture.release(self.graph)
         self.graph = None
         self._outs, self._static, self._body_args, self._hooks = [], [], [], []
 

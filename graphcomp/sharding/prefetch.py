@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from graphcomp import _compat
+from graphcomp.runtime import capture
 from graphcomp.runtime.manager import RUNTIME
 from graphcomp.session import SESSION
 
@@ -185,7 +186,7 @@ class CrossStepPrefetch:
             why = "the gather differs from the one prefetched"
         elif _versions(slot.param(), shard) != slot.version:
             why = "the shard was written after the optimizer step (its version changed)"
-        elif RUNTIME.active_step is not None:
+        elif capture.recording("step") is not None:
             why = "a whole step is being captured (graphcomp.capture_step gathers in its graph)"
         if why is not None:
             log.info("graphcomp: prefetched gather of a %s shard discarded: %s", tuple(shard.shape), why)

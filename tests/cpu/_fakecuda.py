@@ -19,14 +19,22 @@ import contextlib
 import torch
 
 from graphcomp import _compat, runtime
-from graphcomp.runtime import manager
+from graphcomp.runtime import capture, manager
 from graphcomp.runtime.static import memory_of
 
 
-def replay_whole_step(fn, outputs):
+def replay_whole_step(graph, fn, outputs):
     """A stand-in replay of a graphcomp.capture_step graph: the step function again,
-    its results written into the captured outputs (what a CUDA replay overwrites)."""
-    new = fn([])
+    as its capture ran it (a whole step being recorded into ``graph``: the runners
+    inline, the optimizer step recorded inline), its results written into the
+    captured outputs (what a CUDA replay overwrites)."""
+    rec = capture.Recording("step", graph, None)
+    manager.RUNTIME.recordings.append(rec)
+    try:
+        with manager.RUNTIME.capturing():
+            new = fn([])
+    finally:
+        manager.RUNTIME.recordings.remove(rec)
     with torch.no_grad():
         for o, n in zip(outputs, new):
             if isinstance(o, torch.Tensor):
@@ -57,7 +65,7 @@ class FakeGraph:
             if self.skip_next:
                 self.skip_next = False
                 return
-            replay_whole_step(self.fn, self.memory)
+            replay_whole_step(self, self.fn, self.memory)
             return
         ins = list(self.inputs)
         if self.first_inputs is not None:
@@ -146,9 +154,8 @@ class FakeDevice(manager.CudaDevice):
             raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (stand-in: a capture into a pool "
                                "whose graphs were all reset, not pinned)")
         used.append(g)
-        from graphcomp.runtime.whole_step import StepCapture
-
-        if isinstance(getattr(fn, "__self__", None), StepCapture):
+        rec = capture.recording()
+        if rec is not None and rec.kind == "step" and rec.graph is g:
             # a whole training step (impure: it updates parameters): its capture call's
             # step runs here, for real, once (a CUDA capture executes nothing and the
             # capture call then replays); every later replay runs the step function again

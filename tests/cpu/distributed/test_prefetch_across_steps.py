@@ -186,6 +186,7 @@ def test_take_uses_a_valid_prefetch_and_discards_the_rest():
     from _graphs import world1_group
 
     from graphcomp.sharding.prefetch import PREFETCH
+    from graphcomp.runtime import capture
     from graphcomp.runtime.manager import RUNTIME
 
     with world1_group() as group:
@@ -206,11 +207,12 @@ def test_take_uses_a_valid_prefetch_and_discards_the_rest():
             shard.add_(1.0)  # written after the step
         assert PREFETCH.take(shard, torch.bfloat16, 1, group) is None and c["prefetches_discarded"] == 1
         PREFETCH.issue([shard])
-        RUNTIME.active_step = object()  # graphcomp.capture_step capturing: gather in its graph
+        rec = capture.Recording("step", graph=None, pool=None)  # graphcomp.capture_step capturing: gather in its graph
+        RUNTIME.recordings.append(rec)
         try:
             assert PREFETCH.take(shard, torch.bfloat16, 1, group) is None and c["prefetches_discarded"] == 2
         finally:
-            RUNTIME.active_step = None
+            RUNTIME.recordings.remove(rec)
         PREFETCH.issue([shard])
         PREFETCH.issue([shard])  # never taken: superseded
         assert c["prefetches_discarded"] == 3

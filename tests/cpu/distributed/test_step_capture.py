@@ -17,7 +17,7 @@ import torch
 import graphcomp
 from graphcomp import optim as gopt
 from graphcomp.runtime import RUNTIME
-from graphcomp.runtime.whole_step import StepCapture
+from graphcomp.runtime import capture
 
 from _fakecuda import replay_whole_step
 from _optim_standin import (  # noqa: F401 (fixtures dev, pg1)
@@ -38,7 +38,7 @@ class StepGraph(StandInGraph):
         if self.skip_next:
             self.skip_next = False
             return
-        replay_whole_step(self.fn, self.outs)
+        replay_whole_step(self, self.fn, self.outs)
 
 
 class StepDevice(StandInDevice):
@@ -58,7 +58,8 @@ class StepDevice(StandInDevice):
         return StepGraph()
 
     def capture(self, g, pool, stream, fn, inputs, replay_inputs):
-        if isinstance(getattr(fn, "__self__", None), StepCapture):
+        rec = capture.recording()
+        if rec is not None and rec.kind == "step" and rec.graph is g:
             self.step_captures += 1
             g.fn, g.skip_next = fn, True
             self.in_step_capture = True
@@ -139,7 +140,7 @@ def _scheduled(whole: bool, sdev):
     real_sync = cstep._sync_lr
 
     def sync_lr():
-        assert RUNTIME.active_step is None, "lr refreshed while the whole step was being captured"
+        assert capture.recording("step") is None, "lr refreshed while the whole step was being captured"
         real_sync()
 
     cstep._sync_lr = sync_lr

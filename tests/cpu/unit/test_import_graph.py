@@ -119,3 +119,35 @@ def test_the_global_state_check_finds_a_planted_read():
     assert any("graphcomp.session" in f for f in found) and any("agreement" in f for f in found)
     assert any("reads SESSION" in f for f in found)
     assert global_state_reads("from graphcomp.compiler.pipeline import PassContext\n") == []
+
+
+# One capture primitive: graphcomp.runtime.capture creates, captures and frees every
+# CUDA graph; the owners (runner, optimizer step, whole step) decide when, not how.
+_CAPTURE_CALLS = {"capture", "trial_capture", "new_graph", "reset_graph", "capture_begin", "capture_end", "CUDAGraph"}
+_CAPTURE_HOME = {"graphcomp/runtime/capture.py", "graphcomp/runtime/device.py"}
+
+
+def capture_calls(source: str) -> list[str]:
+    """Device-level capture calls in a module's source (``dev.capture(...)``,
+    ``RUNTIME.device.reset_graph(...)``, ``torch.cuda.CUDAGraph()``)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _CAPTURE_CALLS:
+            owner = node.func.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name in ("dev", "device", "cuda") or node.func.attr in ("CUDAGraph", "capture_begin", "capture_end"):
+                out.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+    return out
+
+
+def test_graphs_are_captured_only_through_the_capture_primitive():
+    bad = {str(p.relative_to(REPO)): r for p in sorted((REPO / "graphcomp").rglob("*.py"))
+           if str(p.relative_to(REPO)) not in _CAPTURE_HOME and (r := capture_calls(p.read_text()))}
+    assert not bad, f"CUDA graphs captured or freed outside graphcomp.runtime.capture: {bad}"
+
+
+def test_the_capture_check_finds_a_planted_capture():
+    planted = "def f(dev, g):\n    dev.capture(g, None, None, f, [], [])\n    RUNTIME.device.reset_graph(g)\n" \
+              "    torch.cuda.CUDAGraph()\n"
+    assert len(capture_calls(planted)) == 3
+    assert capture_calls("from graphcomp.runtime import capture\ncapture.capture('piece', f)\n") == []
