@@ -82,6 +82,7 @@ class CapturedStep:
         self._params: list[torch.Tensor] = []
         self._with_grad: list[torch.Tensor] = []  # the params the captured step updates
         self._step_params: list[torch.Tensor] = []  # the params the running body updates
+        self._pool: Any = None  # the captured graph's private pool
         self._eager_now = False
         self._inline_now = False  # recording into a whole-step capture (gradients read in place)
         self._grad_ptrs: tuple[int, ...] = ()
@@ -525,7 +526,7 @@ class CapturedStep:
                 raise
             self._go_eager(f"capture failed: {type(e).__name__}: {e}")
             return False
-        self._graph = rec.graph
+        self._graph, self._pool = rec.graph, rec.pool
         self._graph_marks, self._marked = self._marked, frozenset()
         self._grad_ptrs = self._grad_key(_compat.grads_of(self._params))
         self._static_ptrs = tuple(t.data_ptr() for t in self._static_tensors())

@@ -13,6 +13,14 @@ from typing import Any
 import torch
 
 
+def _default_generator() -> Any:
+    """The current device's default CUDA generator (the one every capture registers)."""
+    try:
+        return torch.cuda.default_generators[torch.cuda.current_device()]
+    except Exception:  # noqa: BLE001 - no CUDA: nothing to restore
+        return None
+
+
 class CudaDevice:
     """The CUDA calls the runner makes, in one place (tests swap in a CPU stand-in)."""
 
@@ -56,17 +64,25 @@ class CudaDevice:
         the process stays usable for eager execution."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        rng = _default_generator()
+        rng_before = rng.clone_state() if rng is not None else None
         with torch.cuda.stream(stream):
             g.capture_begin(pool=pool)
             try:
                 out = fn(inputs)
+                g.capture_end()
             except BaseException:
                 try:
                     g.capture_end()
                 except Exception:  # noqa: BLE001 - the capture is invalid anyway
                     pass
+                if rng is not None:
+                    # a capture that fails before its end leaves the default generator in
+                    # capture mode (torch ends it in capture_end's epilogue, which the
+                    # failure skips): the next random op outside a capture would raise
+                    # "Offset increment outside graph capture encountered unexpectedly"
+                    rng.graphsafe_set_state(rng_before)
                 raise
-            g.capture_end()
         return out
 
     def capture_active(self) -> bool:

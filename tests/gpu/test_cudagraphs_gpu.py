@@ -527,6 +527,9 @@ def test_capture_failure_auto_trains_on_with_the_piece_eager():
     failed = [r for r in rows if str(r.get("reason", "")).startswith("capture_failed")]
     assert failed and all(r["mode"] == "eager" for r in failed), rows
     assert "not permitted" in failed[0]["reason"] or "capturing" in failed[0]["reason"], failed[0]
+    # the failed capture left the default generator usable (random ops outside a capture)
+    assert torch.randn(8, device="cuda").isfinite().all()
+    assert torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5).isfinite().all()
 
 
 def test_capture_failure_require_raises_naming_the_piece():
