@@ -211,7 +211,7 @@ def _compile_reusing(name: str, sub: fx.GraphModule, ex: list[Any], sidx: list[i
 def _region_assign(sub: fx.GraphModule) -> dict[fx.Node, int]:
     """node -> region index, for a piece ``partition_graph`` divided into more than one
     compile region (``REGION_META``); empty otherwise."""
-    from graphcomp.passes.partition_graph import REGION_META
+    from graphcomp.passes.regions import REGION_META
 
     body = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
     if any(REGION_META not in n.meta for n in body):

@@ -22,21 +22,7 @@ why (a frozen :class:`SplitReason` per cut node)::
                       and the table lookups that read it
 
 With ``Config.compile_regions`` (Inductor codegen) the pieces are divided into
-*regions* (:func:`region_cuts`). Anchors come first: after a collective's wait, at a
-point where no collective is in flight and no multi-output node is separated from
-its getitems, once the region since the last cut holds ``Config.region_min_nodes``
-compute nodes. In a sharded transformer every block's gather (forward) or
-reduce-scatter (backward) gives one such point per block. Each cut then moves from
-its anchor to the nearby point the fewest bytes of values cross (inside a captured
-piece a collective may be in flight across it, its wait in the next region), so the
-regions are the blocks, cut where little is live, and the codegen compiles each
-distinct region once (``graphcomp.compiler.codegen``). Where
-pieces are captured, a region is a unit of compilation only: each node carries its
-region's index within its piece (``node.meta[REGION_META]``), the codegen compiles
-the regions apart and runs them in order inside the piece, and the piece is still
-captured as one CUDA graph (one graph per region would make ``cudaGraphLaunch``
-block the host once about ten are queued). Where nothing is captured (CPU
-graphs, ``cudagraphs="off"``) the regions are eager pieces, each Inductor-compiled.
+compile regions (:mod:`graphcomp.passes.regions`: where the cuts go and why);
 ``compile_regions="auto"`` (the default) keeps the regions only in captured pieces
 of a graph with static shapes that cuts into at least ``Config.region_auto_min``
 regions (a deep model); other graphs compile whole.
@@ -68,8 +54,8 @@ import torch.fx as fx
 
 from graphcomp import _compat
 from graphcomp.analysis import graph_utils
-from graphcomp.analysis import memory
 from graphcomp.compiler.pipeline import PassContext, PassResult, register_pass
+from graphcomp.passes.regions import REGION_META, compute_nodes, region_cuts_and_free, waits_of
 from graphcomp.compiler.plan import EAGER_META, REASON_KINDS, Piece, SplitPlan, SplitReason  # noqa: F401 (REASON_KINDS, SplitReason: re-exported)
 
 log = logging.getLogger(__name__)
@@ -295,149 +281,6 @@ def fold_host_constants(gm: fx.GraphModule, to_users_device: bool = True) -> lis
     return folded
 
 
-REGION_META = "graphcomp_region"
-"""``node.meta`` key: the index of the node's compile region within its piece
-(``compile_regions`` with captured pieces; see the module docstring)."""
-
-
-def _wait_of(node: fx.Node) -> list[fx.Node]:
-    return [u for u in node.users if graph_utils.is_target(u, c10d.wait_tensor.default)] + [
-        w for g in node.users if g.op == "call_function" and g.target is operator.getitem
-        for w in g.users if graph_utils.is_target(w, c10d.wait_tensor.default)
-    ]
-
-
-def _is_compute(m: fx.Node) -> bool:
-    """A node that counts toward a piece's size (a ``getitem`` does not)."""
-    return not (m.op == "call_function" and m.target is operator.getitem)
-
-
-def _compute_nodes(ns: Sequence[fx.Node]) -> int:
-    return sum(1 for m in ns if _is_compute(m))
-
-
-def region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool = False) -> list[int]:
-    """Positions ``p`` (a cut before ``nodes[p]``) that split ``nodes`` into regions.
-
-    First the anchors: a position is a candidate when it follows a collective's wait
-    (the first position after the wait that qualifies) and cuts no span between a
-    collective and its last wait, nor between a node and its last ``getitem``.
-    Candidates are taken in order once the region since the previous cut holds at
-    least ``min_nodes`` compute nodes; a last region smaller than that joins the one
-    before. In a sharded transformer that gives one anchor per block.
-
-    Then each anchor moves to the position around it (between the midpoints to its
-    neighbouring anchors, leaving at least ``min_nodes // 2`` compute nodes on either
-    side) that the fewest bytes of Inductor-made values cross (:func:`crossing_bytes`):
-    such a value is written to memory by one region and read back by the next, and
-    the fusion Inductor would have made of its producer and consumers is lost. On a
-    tie, a point right after an extern kernel (a matmul: its output is in memory
-    anyway, and its pointwise consumers fuse in the next region as they would have),
-    then the nearest to the anchor. The anchor itself, the first point after a
-    wait with nothing in flight, often sits mid-block, where a block's intermediates
-    are live (in a block's backward, the SwiGLU recomputation cut from its gradient,
-    which then writes and reads back activation-sized values). With ``in_flight_ok``
-    (regions compiled apart inside one captured piece) a cut may leave a collective
-    in flight, its wait in a later region; otherwise positions keep the anchors'
-    rule. A multi-output node and its getitems are never cut apart. Identical blocks
-    give anchors at the same offset in every block, and so the same moved cuts: the
-    regions stay identical."""
-    return _region_cuts(nodes, min_nodes, in_flight_ok)[0]
-
-
-def _region_cuts(nodes: Sequence[fx.Node], min_nodes: int, in_flight_ok: bool) -> tuple[list[int], list[bool]]:
-    """:func:`region_cuts`, and per position whether no collective is in flight across it."""
-    anchors, free, tied = _anchor_cuts(nodes, min_nodes)
-    if not anchors:
-        return anchors, free
-    cost = crossing_bytes(nodes)
-    ok = [not tied[p] and (in_flight_ok or free[p]) for p in range(len(nodes) + 1)]
-    compute = [0]
-    for m in nodes:
-        compute.append(compute[-1] + _is_compute(m))
-    bounds = [0, *anchors, len(nodes)]
-    half = max(1, min_nodes // 2)  # a moved cut leaves at least this many compute nodes on either side
-    cuts: list[int] = []
-    for k in range(1, len(bounds) - 1):
-        a = bounds[k]
-        lo = max((bounds[k - 1] + a) // 2 + 1, cuts[-1] + 1 if cuts else 1)
-        hi = (a + bounds[k + 1]) // 2
-        prev = compute[cuts[-1]] if cuts else 0
-        best = min((p for p in range(lo, hi + 1) if ok[p] and compute[p] - prev >= half
-                    and compute[len(nodes)] - compute[p] >= half),
-                   key=lambda p: (cost[p], not memory.makes_own_buffer(nodes[p - 1]), abs(p - a), p), default=a)
-        cuts.append(best)
-    return cuts, free
-
-
-def crossing_bytes(nodes: Sequence[fx.Node]) -> list[int]:
-    """``cost[p]``: the bytes of the values made by ``nodes[:p]`` that ``nodes[p:]``
-    read, counting only values an Inductor-generated kernel makes (an extern
-    kernel's output is written to memory whatever the cut: ``memory.makes_own_buffer``).
-    Sizes come from the nodes' fake values; a value of unknown size counts 0."""
-    pos = {n: i for i, n in enumerate(nodes)}
-    diff = [0] * (len(nodes) + 2)
-    for n in nodes:
-        last = max((pos[u] for u in n.users if u in pos), default=-1)
-        if last > pos[n] and not memory.makes_own_buffer(n):
-            b = sum(max(graph_utils.nbytes(t), 0) for t in graph_utils.tensor_values(graph_utils.tensor_meta(n)))
-            diff[pos[n] + 1] += b
-            diff[last + 1] -= b
-    cost, run = [], 0
-    for p in range(len(nodes) + 1):
-        run += diff[p]
-        cost.append(run)
-    return cost
-
-
-def _anchor_cuts(nodes: Sequence[fx.Node], min_nodes: int) -> tuple[list[int], list[bool], list[bool]]:
-    """The anchor cuts of :func:`region_cuts`, and per position whether no collective
-    is in flight across it (``free``) and whether it cuts a node from its getitems
-    (``tied``)."""
-    pos = {n: i for i, n in enumerate(nodes)}
-    blocked = [0] * (len(nodes) + 2)  # difference arrays over positions
-    getitems = [0] * (len(nodes) + 2)
-    waits: list[int] = []
-    for n in nodes:
-        ends: list[int] = []
-        if graph_utils.collective_kind(n) is not None:
-            ends = [pos[w] for w in _wait_of(n) if w in pos]
-        items = [pos[u] for u in n.users if u in pos and u.op == "call_function" and u.target is operator.getitem]
-        ends += items
-        if ends and max(ends) > pos[n]:
-            blocked[pos[n] + 1] += 1
-            blocked[max(ends) + 1] -= 1
-        if items and max(items) > pos[n]:
-            getitems[pos[n] + 1] += 1
-            getitems[max(items) + 1] -= 1
-        if graph_utils.is_target(n, c10d.wait_tensor.default):
-            waits.append(pos[n])
-    free, tied, run, run_g = [], [], 0, 0
-    for p in range(len(nodes) + 1):
-        run += blocked[p]
-        run_g += getitems[p]
-        free.append(run == 0)
-        tied.append(run_g != 0)
-    cuts: list[int] = []
-    last, count = 0, [0]
-    for m in nodes:
-        count.append(count[-1] + _is_compute(m))
-    # waits come in order, so candidates never go back: one taken is `last`, one
-    # rejected stays too small from any later `last`
-    for w in waits:
-        p = w + 1
-        while p < len(nodes) and not free[p]:
-            p += 1
-        if p >= len(nodes):
-            continue
-        if p > last and count[p] - count[last] >= min_nodes:
-            cuts.append(p)
-            last = p
-    if cuts and count[len(nodes)] - count[cuts[-1]] < min_nodes:
-        cuts.pop()
-    return cuts, free, tied
-
-
 def plan_pieces(
     gm: fx.GraphModule,
     split_ops: Sequence[str] = (),
@@ -472,7 +315,7 @@ def plan_pieces(
     for n in nodes:
         if graph_utils.collective_kind(n) is None:
             continue
-        waits = _wait_of(n)
+        waits = waits_of(n)
         if not waits:
             continue
         last = max(pos[w] for w in waits)
@@ -496,12 +339,12 @@ def plan_pieces(
             runs.append([mode, [n]])
     # runs too small to pay for capture join their eager neighbours
     for r in runs:
-        if r[0] == "cudagraph" and _compute_nodes(r[1]) < min_piece_nodes and len(runs) > 1:
+        if r[0] == "cudagraph" and compute_nodes(r[1]) < min_piece_nodes and len(runs) > 1:
             r[0] = "eager"
             for m in r[1]:
                 reason[m] = SplitReason(
                     m.name, "too_small",
-                    f"capturable run of {_compute_nodes(r[1])} node(s) < min_piece_nodes={min_piece_nodes}",
+                    f"capturable run of {compute_nodes(r[1])} node(s) < min_piece_nodes={min_piece_nodes}",
                 )
     merged: list[list[Any]] = []
     for r in runs:
@@ -516,7 +359,7 @@ def plan_pieces(
     in_flight = [0] * len(merged)  # per piece: cuts that leave a collective in flight
     if region_min_nodes is not None:
         for k, (_, ns) in enumerate(merged):
-            cuts, free = _region_cuts(ns, region_min_nodes, in_flight_ok=capture)
+            cuts, free = region_cuts_and_free(ns, region_min_nodes, in_flight_ok=capture)
             in_flight[k] = sum(1 for p in cuts if not free[p])
             bounds = [0, *cuts, len(ns)]
             spans[k] = list(zip(bounds, bounds[1:]))

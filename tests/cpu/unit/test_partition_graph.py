@@ -12,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map
 
 from graphcomp.analysis import memory
+from graphcomp.passes import regions
 from graphcomp.config import Config
 from graphcomp.compiler.pipeline import PassContext, PassRecord
 from graphcomp.compiler.plan import Piece, SplitPlan, StageInputs
@@ -627,7 +628,7 @@ def _gathers_in_flight(nodes, p):
 def test_region_cuts_follow_waits_and_skip_inflight_spans():
     gm = _blocks_graph(3)
     nodes = _nodes(gm)
-    cuts = pg.region_cuts(nodes, min_nodes=4)
+    cuts = regions.region_cuts(nodes, min_nodes=4)
     # one cut after each block's wait except the first (whose region would be too small): before blocks 2 and 3
     assert len(cuts) == 2
     for p in cuts:
@@ -636,10 +637,10 @@ def test_region_cuts_follow_waits_and_skip_inflight_spans():
     # with prefetch, the cut moves past the next issue's wait: still nothing in flight across a cut
     gm2 = _blocks_graph(3, inflight_across=True)
     nodes2 = _nodes(gm2)
-    for p in pg.region_cuts(nodes2, min_nodes=4):
+    for p in regions.region_cuts(nodes2, min_nodes=4):
         assert _gathers_in_flight(nodes2, p) == 0
     # a last region below min_nodes joins the one before; min_nodes above the graph: no cut
-    assert pg.region_cuts(nodes, min_nodes=len(nodes)) == []
+    assert regions.region_cuts(nodes, min_nodes=len(nodes)) == []
 
 
 def test_plan_pieces_regions_and_identical_region_keys():
@@ -681,9 +682,9 @@ def test_region_cuts_move_to_where_the_fewest_bytes_cross():
 
     gm = trace(f, torch.randn(4, 8), torch.randn(8, 8), *[torch.randn(32) for _ in range(4)])
     nodes = _nodes(gm)
-    anchors = pg._anchor_cuts(nodes, 4)[0]
-    cost = pg.crossing_bytes(nodes)
-    moved = pg.region_cuts(nodes, min_nodes=4, in_flight_ok=True)
+    anchors = regions._anchor_cuts(nodes, 4)[0]
+    cost = regions.crossing_bytes(nodes)
+    moved = regions.region_cuts(nodes, min_nodes=4, in_flight_ok=True)
     assert len(moved) == len(anchors) == 4
     # the middle blocks: right after x @ a, the next block's gather in flight
     for p in moved[1:]:
@@ -696,7 +697,7 @@ def test_region_cuts_move_to_where_the_fewest_bytes_cross():
     assert all(cost[a] == 2 * 4 * 8 * 4 for a in anchors[1:])  # x and h
     # without in_flight_ok nothing is in flight across a cut: the middle anchors stay
     # (every point of a block's first half has its gather in flight)
-    kept = pg.region_cuts(nodes, min_nodes=4)
+    kept = regions.region_cuts(nodes, min_nodes=4)
     assert kept[1:3] == anchors[1:3]
     for p in kept:
         assert _gathers_in_flight(nodes, p) == 0
@@ -724,7 +725,7 @@ def test_crossing_bytes_counts_only_values_inductor_kernels_make():
     # before the first sum, the matmul's output (read by the last sum), the gathered
     # values and relu's view all cross; only the (4, 8) fp32 view counts
     nodes = _nodes(gm)
-    cost = pg.crossing_bytes(nodes)
+    cost = regions.crossing_bytes(nodes)
     p = nodes.index(by["sum_1"])
     assert cost[p] == 4 * 8 * 4 and cost[nodes.index(by["relu"])] == 0
 
@@ -838,7 +839,7 @@ def test_compile_regions_auto_cuts_deep_captured_graphs_only(n_blocks, auto_min,
     assert [p.mode for p in split.pieces] == ["cudagraph"]
     assert split.pieces[0].regions == expect
     piece = getattr(split.split, split.pieces[0].name)
-    tagged = {n.meta.get(pg.REGION_META) for n in piece.graph.nodes if n.op not in ("placeholder", "output")}
+    tagged = {n.meta.get(regions.REGION_META) for n in piece.graph.nodes if n.op not in ("placeholder", "output")}
     if expect > 1:
         assert ctx.record.counts["regions"] == expect and tagged == set(range(expect))
         assert not any("compile_regions='auto'" in n for n in ctx.record.notes)
@@ -941,12 +942,12 @@ def test_region_assign_needs_every_node_tagged_and_two_regions():
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     assert _region_assign(gm) == {}
     for i, n in enumerate(body):
-        n.meta[pg.REGION_META] = 0 if i < 2 else 1
+        n.meta[regions.REGION_META] = 0 if i < 2 else 1
     assert sorted(_region_assign(gm).values()) == [0, 0, 1]
-    del body[1].meta[pg.REGION_META]
+    del body[1].meta[regions.REGION_META]
     assert _region_assign(gm) == {}
     for n in body:
-        n.meta[pg.REGION_META] = 0
+        n.meta[regions.REGION_META] = 0
     assert _region_assign(gm) == {}  # one region: nothing to compose
 
 
@@ -1021,12 +1022,12 @@ def test_region_cuts_properties(blocks, prefetch, min_nodes, in_flight_ok):
     gm = trace(f, torch.randn(4, 8), torch.randn(8, 8), *[torch.randn(32) for _ in blocks])
     nodes = _nodes(gm)
     pos = {n: i for i, n in enumerate(nodes)}
-    anchors = pg._anchor_cuts(nodes, min_nodes)[0]
-    cuts = pg.region_cuts(nodes, min_nodes, in_flight_ok=in_flight_ok)
+    anchors = regions._anchor_cuts(nodes, min_nodes)[0]
+    cuts = regions.region_cuts(nodes, min_nodes, in_flight_ok=in_flight_ok)
     assert len(cuts) == len(anchors)
     assert all(0 < p < len(nodes) for p in cuts) and cuts == sorted(set(cuts))
     for lo, hi in zip([0, *cuts], [*cuts, len(nodes)]):
-        assert any(pg._is_compute(m) for m in nodes[lo:hi])
+        assert any(regions.is_compute(m) for m in nodes[lo:hi])
     for n in nodes:
         items = [pos[u] for u in n.users if u.target is operator.getitem]
         for p in cuts:
