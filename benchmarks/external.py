@@ -4,7 +4,7 @@ system "not run" with the reason, never a crash of the whole benchmark.
 
 graphcomp runs as its README teaches::
 
-    graphcomp.shard(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    graphcomp.shard(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)   # fp8=... in the FP8 variants
     opt = AdamW(model.parameters())          # built after shard()
     step = graphcomp.train_step(model, opt, max_norm=1.0, options={...})
 """
@@ -163,8 +163,11 @@ GRAPHCOMP_VARIANTS: dict[str, dict] = {
     "graphcomp-embedding_exchange": {"shard": {"embedding": "exchange"}},
     "graphcomp-exchange_keep": {"shard": {"embedding": "exchange"}, "options": {"reshard_after_forward": False}},
     "graphcomp-flat_buckets": {"options": {"passes": {"zero_copy_buckets": False}}},
+    # FP8 linear layers (docs/fp8.md): shard(fp8=...) on several ranks, graphcomp.fp8.convert on one
+    "graphcomp-fp8_tensorwise": {"fp8": "tensorwise"},
+    "graphcomp-fp8_rowwise": {"fp8": "rowwise"},
 }
-_VARIANT_KEYS = {"options", "shard", "whole_step", "step", "optimizer", "fold_clip", "needs"}
+_VARIANT_KEYS = {"options", "shard", "whole_step", "step", "optimizer", "fold_clip", "needs", "fp8"}
 _INTERNAL_KEYS = {"_pass"}  # (pass_variant: the pass and its switch, checked against the registry)
 
 
@@ -179,6 +182,8 @@ def check_variant(name: str, v: dict) -> dict:
         raise ValueError(f"graphcomp variant {name!r}: step={v['step']!r}; valid: 'train_step', 'manual'")
     if v.get("needs") not in (None, "cuda"):
         raise ValueError(f"graphcomp variant {name!r}: needs={v['needs']!r}; valid: 'cuda'")
+    if v.get("fp8") not in (None, "tensorwise", "rowwise"):
+        raise ValueError(f"graphcomp variant {name!r}: fp8={v['fp8']!r}; valid: 'tensorwise', 'rowwise'")
     return v
 
 
@@ -229,8 +234,11 @@ def build_graphcomp(ctx: Ctx, variant: dict | None = None) -> Built:
     if v.get("needs") == "cuda" and ctx.device.type != "cuda":
         raise NotRun("this variant measures an option of the captured optimizer step (CUDA only)")
     shard_kw = dict(v.get("shard") or {})
-    if ctx.tp > 1 and shard_kw:
-        raise NotRun(f"shard({shard_kw}) applies to 1-D sharding only (--tp 1)")
+    fp8 = v.get("fp8")
+    if ctx.tp > 1 and (shard_kw or fp8):
+        raise NotRun(f"shard({shard_kw or {'fp8': fp8}}) applies to 1-D sharding only (--tp 1)")
+    if fp8:
+        shard_kw["fp8"] = fp8
     if ctx.tp > 1 and "fold_clip" in v:
         raise NotRun("fold_clip is an option of the captured optimizer, which --tp runs do not use")
     options = _resolve_options(graphcomp, v.get("options") or {})
@@ -241,8 +249,17 @@ def build_graphcomp(ctx: Ctx, variant: dict | None = None) -> Built:
         mesh = tp_mesh(ctx)
         tp_cfg = apply_tp(model, mesh)
         graphcomp.shard(model, mesh=mesh, dp_dim="dp", param_dtype=BF16, reduce_dtype=torch.float32)
-    elif sharded:
-        graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32, **shard_kw)
+    else:
+        try:
+            if sharded:
+                graphcomp.shard(model, param_dtype=BF16, reduce_dtype=torch.float32, **shard_kw)
+            elif fp8:  # (one rank is not sharded: the FP8 layers alone, with the default filter)
+                graphcomp.fp8.convert(model, fp8)
+        except ValueError as e:
+            if not fp8 or "converts" not in str(e):
+                raise
+            raise NotRun(f"no FP8 layer in this workload: {e}") from None
+    fp8_layers = [n for n, m in model.named_modules() if isinstance(m, graphcomp.fp8.Float8Linear)]
     if ctx.memory_cap_bytes is not None:
         # --memory-cap: graphcomp plans (remat, reshard, prefetch) under the cap less what
         # lives outside its graphs: AdamW's two moments, the size of the fp32 shards (an
@@ -254,6 +271,10 @@ def build_graphcomp(ctx: Ctx, variant: dict | None = None) -> Built:
                                              if "memory_budget" in options else {})}
     cfg = {**_common_config(ctx), **ocfg, **tp_cfg, "graphcomp_variant": {k: x for k, x in v.items()},
            "graphcomp_version": getattr(graphcomp, "__version__", None)}
+    if fp8:
+        cfg["fp8"] = {"recipe": fp8, "how": ("graphcomp.shard(..., fp8=...)" if sharded else
+                                             "graphcomp.fp8.convert(model, recipe) (one rank: no sharding)"),
+                      "layers": len(fp8_layers), "filter": "graphcomp.fp8.default_filter() (>= 2048 wide, not the head)"}
     if sharded:
         cfg.update({
             "wrapping": ("graphcomp.shard(model, mesh=mesh, dp_dim='dp', param_dtype=bf16, reduce_dtype=fp32) "
@@ -316,6 +337,11 @@ def build_graphcomp(ctx: Ctx, variant: dict | None = None) -> Built:
             opt_step.sync_counters()
             record = opt_step.stats()
             out["optimizer"] = {**record, "decisions": record["decisions"][-3:]}
+        if fp8_layers:
+            st = graphcomp.fp8.stats(model)
+            out["fp8"] = {"layers": len(st), "input_saturated_total": sum(x["input_saturated_total"] for x in st.values()),
+                          "input_scale_min": min(x["input_scale"] for x in st.values()),
+                          "weight_scale_min": min(x["weight_scale"] for x in st.values())}
         if tstep is not None:
             out["train_step"] = {"whole_step": tstep.whole_step_reason}
             w = tstep.stats().get("whole_step_capture")
@@ -461,8 +487,50 @@ def build_deepcompile(ctx: Ctx) -> Built:
     return build_deepspeed(ctx, deepcompile=True)
 
 
+# --------------------------------------------------------------------------- torchao float8
+def build_torchao_float8(ctx: Ctx, recipe: str) -> Built:
+    """The FP8 peer: torchao's float8 training (``convert_to_float8_training`` with the
+    recipe, the same layers as graphcomp's default filter) on the torch baseline of the
+    run's size: one rank, ``torch.compile(model)`` under bf16 autocast (as ``inductor``);
+    several, ``fsdp2_compile`` (tensorwise with FSDP2's float8 all-gather and the scales
+    precomputed after each optimizer step, torchao's recipe; rowwise gathers bf16)."""
+    from .systems import build_fsdp2, build_inductor
+
+    no_tp(ctx, f"torchao_float8_{recipe}")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as e:  # noqa: BLE001
+        raise NotRun(f"torchao not installed ({type(e).__name__}: {e})") from None
+    import dataclasses
+
+    from graphcomp.fp8 import default_filter
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    fsdp_fp8 = ctx.world > 1 and recipe == "tensorwise"
+    if fsdp_fp8:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+
+    def prepare(model) -> dict:
+        convert_to_float8_training(model, config=config, module_filter_fn=default_filter())
+        import torchao
+
+        return {"fp8": {"peer": f"torchao {torchao.__version__} float8 {recipe}", "config": repr(config),
+                        "filter": "graphcomp.fp8.default_filter() (the same layers as graphcomp)"}}
+
+    if ctx.world == 1:
+        return build_inductor(ctx, prepare=prepare)
+    after = None
+    if fsdp_fp8:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        after = precompute_float8_dynamic_scale_for_fsdp
+    return build_fsdp2(ctx, compile_blocks=True, prepare=prepare, after_step=after)
+
+
 EXTERNAL_BUILDERS = {
     **{name: variant_builder(name, v) for name, v in GRAPHCOMP_VARIANTS.items()},
     "deepspeed_z3": build_deepspeed_z3,
     "deepcompile": build_deepcompile,
+    "torchao_float8_tensorwise": lambda ctx: build_torchao_float8(ctx, "tensorwise"),
+    "torchao_float8_rowwise": lambda ctx: build_torchao_float8(ctx, "rowwise"),
 }

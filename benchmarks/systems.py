@@ -215,11 +215,16 @@ def _fsdp2_api():
     return fully_shard, MixedPrecisionPolicy
 
 
-def build_fsdp2(ctx: Ctx, compile_blocks: bool = False) -> Built:
+def build_fsdp2(ctx: Ctx, compile_blocks: bool = False, prepare: Callable[[nn.Module], dict] | None = None,
+                after_step: Callable[[nn.Module], None] | None = None) -> Built:
+    """``prepare(model)``: changes the model before compile and ``fully_shard`` (a peer's
+    FP8 conversion), returns what to add to the configuration; ``after_step(model)``:
+    runs after each optimizer step (its precomputed FP8 scales)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     fully_shard, MixedPrecisionPolicy = _fsdp2_api()
     model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
+    prep_cfg = prepare(model) if prepare is not None else {}
     tp_cfg: dict = {}
     if ctx.tp > 1:  # torchtitan: TP, then compile per block, then fully_shard over dp
         mesh2d = tp_mesh(ctx)
@@ -235,7 +240,7 @@ def build_fsdp2(ctx: Ctx, compile_blocks: bool = False) -> Built:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt, ocfg = make_optimizer(model.parameters(), ctx.device)
     cfg = {
-        **_common_config(ctx), **ocfg, **tp_cfg,
+        **_common_config(ctx), **ocfg, **tp_cfg, **prep_cfg,
         "wrapping": (f"fully_shard(block, mesh={'mesh[dp]' if ctx.tp > 1 else '1-D mesh over all ranks'}, mp_policy, "
                      "reshard_after_forward=True except the last block) for each block; fully_shard(root)"),
         "mixed_precision": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); no autocast",
@@ -244,7 +249,16 @@ def build_fsdp2(ctx: Ctx, compile_blocks: bool = False) -> Built:
         "compile": (f"torch.compile(block, fullgraph={fullgraph}) for {n_compiled} blocks, before fully_shard"
                     if compile_blocks else None),
     }
-    step = tp_step(model, opt) if ctx.tp > 1 else standard_step(model, opt, ctx.device, autocast=False)
+    update = None
+    if after_step is not None:
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def update() -> None:
+            torch.nn.utils.clip_grad_norm_(params, CLIP)
+            opt.step()
+            after_step(model)
+
+    step = tp_step(model, opt) if ctx.tp > 1 else standard_step(model, opt, ctx.device, autocast=False, update=update)
     return Built(step=step, config=cfg, compiles=compile_blocks, keep=[model, opt])
 
 
@@ -278,16 +292,18 @@ def build_ddp_compile(ctx: Ctx) -> Built:
     return build_ddp(ctx, compile_model=True)
 
 
-def build_inductor(ctx: Ctx) -> Built:
+def build_inductor(ctx: Ctx, prepare: Callable[[nn.Module], dict] | None = None) -> Built:
+    """``prepare(model)``: as :func:`build_fsdp2`'s (a peer's FP8 conversion, before compile)."""
     no_tp(ctx, "inductor")
     if ctx.world != 1:
         raise NotRun(f"inductor is the unsharded single-process baseline (1-GPU target); "
                      f"world size is {ctx.world}: run it with --nproc-per-node 1")
     model = workloads.build_model(ctx.workload, ctx.device, ctx.seed)
+    prep_cfg = prepare(model) if prepare is not None else {}
     compiled = torch.compile(model)
     opt, ocfg = make_optimizer(model.parameters(), ctx.device)
     cfg = {
-        **_common_config(ctx), **ocfg,
+        **_common_config(ctx), **ocfg, **prep_cfg,
         "wrapping": "none (single process, no sharding, no gradient communication)",
         "mixed_precision": f"torch.autocast({ctx.device.type}, bf16) around forward+loss",
         "compute": "autocast: matmuls/SDPA in bf16, the rest as autocast decides",

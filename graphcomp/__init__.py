@@ -14,6 +14,7 @@ import logging as _logging
 
 from graphcomp import _compat
 from graphcomp import env as _env
+from graphcomp import fp8
 from graphcomp import optim
 from graphcomp.config import Config
 from graphcomp.sharding.shard import full_state_dict, shard
@@ -57,5 +58,5 @@ if _env.log_level():
     _log.setLevel(_env.log_level())
 _compat.graph_logger()  # registers the "graphcomp_graphs" artifact of torch._logging.set_logs
 
-__all__ = ["Config", "backend", "capture_step", "counters", "frame_summaries", "full_state_dict", "guard_filter", "optim", "reset", "shard", "train_step", "TrainStep",
+__all__ = ["Config", "backend", "capture_step", "counters", "fp8", "frame_summaries", "full_state_dict", "guard_filter", "optim", "reset", "shard", "train_step", "TrainStep",
            "__version__"]

@@ -46,6 +46,12 @@ class Counters(Mapping):
     (embedding_exchange; ``shard(..., embedding="auto" | "exchange")``)."""
     gathers_fused: int = 0
     """Parameter all-gathers whose downcast moved onto the shard (fuse_allgather_downcast)."""
+    fp8_gathers: int = 0
+    """Parameter all-gathers that move FP8 bytes, their weight cast to FP8 on the shard
+    (fp8_allgather; a rowwise weight counts two: its row- and column-scaled casts)."""
+    fp8_amax_all_reduces: int = 0
+    """All-reduces (MAX) of the shards' amaxes that fp8_allgather emitted: one per process
+    group and graph, for every FP8 weight whose scale reads every row."""
     grad_upcasts_fused: int = 0
     """Gradient upcasts (bf16 -> fp32 before the reduce-scatter) fused into the matmul that
     makes the gradient, which then writes fp32, or into an embedding's table gradient,

@@ -6,7 +6,8 @@ the only place to change. Everything else imports from here.
 This module is a flat list of small adapters, each with its version notes; it
 imports nothing of graphcomp but its own topic modules, re-exported here:
 ``remat`` (checkpoint tags, flops), ``collectives`` (collectives recorded, not run,
-during a CUDA-graph warm-up) and ``gloo`` (gloo process groups).
+during a CUDA-graph warm-up), ``gloo`` (gloo process groups) and ``fp8`` (the scaled
+matmul, FX node annotations).
 """
 
 from __future__ import annotations
@@ -286,6 +287,16 @@ def register_inductor_decompositions(table: dict[Any, Any]) -> None:
             target.setdefault(op, fn)
 
 
+def inductor_decompositions() -> dict[Any, Any]:
+    """The decomposition table AOTAutograd traces Inductor's joint graphs with
+    (``torch._inductor.decomposition.select_decomp_table()``, same in 2.11 and 2.13): a
+    pass that traces new nodes into such a graph uses it too, or Inductor meets ops it
+    only knows decomposed (``aten._to_copy``: "both a fallback and a decomp")."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
 def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     from torch._inductor.compile_fx import compile_fx_inner as _inner
 
@@ -554,6 +565,11 @@ from graphcomp._compat.collectives import collectives_not_run  # noqa: E402,F401
 # --------------------------------------------------- activation-checkpoint tags
 # (and flop formulas): in graphcomp/_compat/remat.py, re-exported here
 from graphcomp._compat.remat import allow_side_effects_under_checkpoint, checkpoint_policy, clear_recompute, is_mutating, is_user_checkpoint, must_recompute, node_flops, recompute_is_deterministic
+
+# ------------------------------------------------- FP8: scaled matmul, node annotations
+# in graphcomp/_compat/fp8.py, re-exported here
+from graphcomp._compat.fp8 import annotate as fx_annotate, annotations as fx_annotations  # noqa: E402,F401
+from graphcomp._compat.fp8 import preserve_node_meta, scaled_mm  # noqa: E402,F401
 
 
 def device_memory_bytes(device: torch.device) -> int | None:

@@ -81,6 +81,22 @@ def gradient_reduce_scatters(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if is_gradient_reduce_scatter(n)]
 
 
+FP8_WIRE = "graphcomp_fp8"
+"""Node meta key on an all-gather that moves FP8 values as their bytes (``uint8``: gloo
+has no FP8 type, and the bucket ops copy bytes): the FP8 dtype's name, which
+:func:`collectives` reports as the gather's dtype (pass ``fp8_allgather``)."""
+
+GATHER_PRE = "graphcomp_gather_pre"
+"""Node meta key: True on a pure op of a gather's input chain that the chain
+matchers (``schedule_free``, ``schedule_prefetch``) would not recognise by its op
+alone (the scaled cast of a shard to FP8, ``fp8_allgather``): it moves, is freed and
+is recomputed with its gather."""
+
+GATHER_POST = "graphcomp_gather_post"
+"""Node meta key: True on a pure op after a gather's wait that unpacks the gathered
+value (the FP8 bytes and their scales, ``fp8_allgather``): part of the gathered value
+for ``schedule_free`` and ``schedule_prefetch``."""
+
 FOREIGN = "graphcomp_foreign"
 """Node meta key: True on a collective that is not graphcomp's (see :func:`mark_foreign`)."""
 
@@ -171,6 +187,7 @@ def collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
         ins = [a for a in n.all_input_nodes if tensor_values(tensor_meta(a))]
         src = outs if kind == "all_gather" else [t for a in ins for t in tensor_values(tensor_meta(a))]
         dtype = str(src[0].dtype).replace("torch.", "") if src else "?"
+        dtype = n.meta.get(FP8_WIRE, dtype)  # FP8 bytes gathered as uint8 (fp8_allgather)
         out.append(
             {
                 "node": n.name,

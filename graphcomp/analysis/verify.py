@@ -20,7 +20,9 @@ gradient that had none gets none. (The verifier counts collectives a value passe
 through, not the contributions inside one bucket: one of a tied weight's two
 contributions lost inside a bucket is for the numerics tests to catch); a shard crosses the wire in a dtype it crossed in before, or in the dtype it
 was cast to right after its gather (the fused downcast of
-``fuse_allgather_downcast``); a gradient's reduce-scatter dtype is unchanged. A
+``fuse_allgather_downcast``; the FP8 cast of ``fp8_allgather``, whose bytes travel as
+``uint8`` and count as FP8, and whose row- and column-scaled gathers of one shard
+count as one gather of it); a gradient's reduce-scatter dtype is unchanged. A
 violation raises :class:`graphcomp.errors.CollectiveVerifyError` naming the pass,
 the stage and the shard or gradient. The shard behind a gather is found by walking
 its inputs back to placeholders, the gradient behind a reduce-scatter by walking
@@ -61,32 +63,64 @@ def _dtype(node: fx.Node) -> str | None:
     return str(ts[0].dtype).replace("torch.", "") if ts else None
 
 
-def _placeholders_behind(node: fx.Node) -> set[str]:
-    seen: set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
-    out: set[str] = set()
+def _shards_behind(node: fx.Node) -> dict[str, str | None]:
+    """The placeholders a gather reads, each with the FP8 dtype it crosses the wire in
+    when its path passes a shard's FP8 cast (``graph_utils.FP8_WIRE`` on the send
+    buffer, ``fp8_allgather``), else None. The walk stops at other collectives' waits
+    (an FP8 scale's amax all-reduce reads every shard; it gathers none of them)."""
+    out: dict[str, str | None] = {}
+    seen: set[tuple[fx.Node, str | None]] = set()
+    stack: list[tuple[fx.Node, str | None]] = [(a, node.meta.get(graph_utils.FP8_WIRE)) for a in node.all_input_nodes]
     while stack:
-        n = stack.pop()
-        if n in seen:
+        n, fp8 = stack.pop()
+        if (n, fp8) in seen:
             continue
-        seen.add(n)
+        seen.add((n, fp8))
+        fp8 = n.meta.get(graph_utils.FP8_WIRE, fp8) if n.op == "call_function" else fp8
         if n.op == "placeholder":
-            out.add(n.name)
-        else:
-            stack.extend(n.all_input_nodes)
+            if n.name not in out or fp8 is None:
+                out[n.name] = fp8
+        elif not (graph_utils.is_target(n, graph_utils.c10d.wait_tensor.default)
+                  or graph_utils.collective_kind(n) is not None):
+            stack.extend((a, fp8) for a in n.all_input_nodes)
     return out
 
 
-def _cast_after(gather: fx.Node) -> str | None:
-    """The dtype every user of the gather's (waited, viewed) value casts to, if one."""
+def _fp8_cast_dtype(users: list[fx.Node]) -> str | None:
+    """The FP8 dtype ``users`` cast to, when every one is an annotated FP8 weight cast
+    (``graphcomp.fp8.scaling.quantize_weight``), else None."""
+    from graphcomp import _compat
+    from graphcomp.fp8.scaling import ANNOTATION, Cast
+
+    dts = set()
+    for u in users:
+        mark = _compat.fx_annotations(u).get(ANNOTATION)
+        if not isinstance(mark, str):
+            return None
+        dts.add(str(Cast.parse(mark.rsplit("/", 1)[0] if "/" in mark else mark).dtype).replace("torch.", ""))
+    return dts.pop() if len(dts) == 1 else None
+
+
+def _cast_after(gather: fx.Node) -> set[str]:
+    """The dtypes the gather's (waited, viewed) value is cast to right after it, when
+    every user casts: one plain dtype, graphcomp's FP8 weight cast, or both (a cast to
+    ``param_dtype``, then the FP8 cast)."""
     wait = graph_utils.single_wait(gather)
     if wait is None:
-        return None
+        return set()
     end = graph_utils.view_chain(wait)[-1]
-    casts = {graph_utils.dtype_cast(u) for u in end.users}
+    users = list(end.users)
+    if not users:
+        return set()
+    fp8 = _fp8_cast_dtype(users)
+    if fp8 is not None:
+        return {fp8}
+    casts = {graph_utils.dtype_cast(u) for u in users}
     if len(casts) == 1 and None not in casts:
-        return str(next(iter(casts))).replace("torch.", "")
-    return None
+        out = {str(casts.pop()).replace("torch.", "")}
+        fp8 = _fp8_cast_dtype([v for u in users for v in u.users])
+        return out | ({fp8} if fp8 else set())
+    return set()
 
 
 def inventory(gm: fx.GraphModule) -> Inventory | None:
@@ -105,6 +139,7 @@ def inventory(gm: fx.GraphModule) -> Inventory | None:
         if isinstance(o, fx.Node):
             pos[o].append(i)
             inv.outputs[i] = o.name
+    fp8_counted: set[tuple[str, str | None]] = set()
     for n in nodes:
         kind = graph_utils.collective_kind(n)
         if kind is None or graph_utils.is_foreign_collective(n):
@@ -113,11 +148,14 @@ def inventory(gm: fx.GraphModule) -> Inventory | None:
         if kind == "all_gather":
             dt = _dtype(n)
             cast = _cast_after(n)
-            for p in _placeholders_behind(n):
-                inv.gathers[(p, group)] += 1
-                inv.wire.setdefault(p, set()).add(str(dt))
-                if cast is not None:
-                    inv.cast_after.setdefault(p, set()).add(cast)
+            for p, fp8 in _shards_behind(n).items():
+                if fp8 is None or (p, group) not in fp8_counted:
+                    inv.gathers[(p, group)] += 1
+                if fp8 is not None:  # a shard's FP8 casts (rows, columns) count as one gather of it
+                    fp8_counted.add((p, group))
+                inv.wire.setdefault(p, set()).add(fp8 or str(dt))
+                if cast:
+                    inv.cast_after.setdefault(p, set()).update(cast)
         elif kind == "reduce_scatter":
             src = [a for a in n.all_input_nodes if graph_utils.tensor_values(graph_utils.tensor_meta(a))]
             dt = _dtype(src[0]) if src else None

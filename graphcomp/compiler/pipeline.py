@@ -51,6 +51,7 @@ PASS_ORDER: tuple[str, ...] = (
     "embedding_exchange",       # dynamo: sharded embedding lookups exchange tokens (ranks agree)
     "chunk_lm_loss",            # dynamo: linear + cross-entropy -> chunked op
     "fuse_allgather_downcast",  # joint: cast shards before gathering
+    "fp8_allgather",            # joint: cast FP8 layers' weight shards to FP8 before gathering
     "fuse_grad_upcast",         # joint: weight-gradient matmuls write fp32 (CUDA)
     "avg_reduce_scatter",       # joint: the gradient average inside the reduce-scatter (NCCL)
     "bucket_collectives",       # joint: pack gathers / reduce-scatters into buckets

@@ -189,6 +189,9 @@ def _bucket_gathers(gm: fx.GraphModule, b: _Bucket, bid: str) -> fx.Node:
     _erase_dead(g, [it.src for it in b.items])
     ag.meta["graphcomp_bucket"] = bid
     ag.meta["graphcomp_params"] = [r.name for r in roots]
+    fp8 = {it.coll.meta.get(gu.FP8_WIRE) for it in b.items}
+    if len(fp8) == 1 and None not in fp8:  # FP8 bytes of every member (fp8_allgather)
+        ag.meta[gu.FP8_WIRE] = fp8.pop()
     if trace:
         ag.meta["stack_trace"] = trace
     return flat

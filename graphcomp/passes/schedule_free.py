@@ -1,8 +1,8 @@
 """schedule_free (joint): free gathered parameters after forward, re-gather in backward.
 
-Matches every parameter gather of the joint graph (plain, fused or bucketed)::
+Matches every parameter gather of the joint graph (plain, fused, FP8 or bucketed)::
 
-    shard -> [convert | pack_cast] -> all_gather -> wait -> [slice/view/cast/
+    shard -> [convert | FP8 cast | pack_cast] -> all_gather -> wait -> [slice/view/cast/
         unpack_gathered/getitem ...] -> first compute users
 
 and tags the whole group (the pure input chain, the collective, its wait and the
@@ -137,7 +137,14 @@ def is_post_op(node: fx.Node) -> bool:
         or node.target is operator.getitem
         or node.target is OPS["unpack_gathered"]
         or gu.dtype_cast(node) is not None
+        or bool(node.meta.get(gu.GATHER_POST))
     )
+
+
+def is_pre_op(node: fx.Node, ops: set = PRE_OPS) -> bool:
+    """A pure op that may sit in a gather's input chain: one of ``ops``, or an op a pass
+    marked so (``graph_utils.GATHER_PRE``: an FP8 cast of the shard)."""
+    return node.op == "call_function" and (node.target in ops or bool(node.meta.get(gu.GATHER_PRE)))
 
 
 def _pre_chain(coll: fx.Node) -> list[fx.Node]:
@@ -146,7 +153,7 @@ def _pre_chain(coll: fx.Node) -> list[fx.Node]:
     seen: set[fx.Node] = set()
     while stack:
         a = stack.pop()
-        if a in seen or a.op != "call_function" or a.target not in PRE_OPS:
+        if a in seen or not is_pre_op(a):
             continue
         seen.add(a)
         out.append(a)

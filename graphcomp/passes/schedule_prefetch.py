@@ -70,7 +70,7 @@ from graphcomp.analysis import graph_utils as gu
 from graphcomp.ops.collectives import OPS
 from graphcomp.compiler.pipeline import PassContext, PassResult, register_pass
 
-from graphcomp.passes.schedule_free import PRE_OPS, is_post_op
+from graphcomp.passes.schedule_free import PRE_OPS, is_post_op, is_pre_op
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -97,7 +97,7 @@ def _exclusive_pre(coll: fx.Node, ops: set, idx: dict[fx.Node, int], taken: set[
     stack = list(coll.all_input_nodes)
     while stack:
         a = stack.pop()
-        if a in cand or a.op != "call_function" or a.target not in ops or a in taken:
+        if a in cand or not is_pre_op(a, ops) or a in taken:
             continue
         cand.add(a)
         stack.extend(a.all_input_nodes)

@@ -68,7 +68,7 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 _META_KEYS = ("graphcomp_bucket", "graphcomp_params", "graphcomp_fused_downcast", "graphcomp_reshard",
-              "graphcomp_prefetch_ahead", "stack_trace")
+              "graphcomp_prefetch_ahead", gu.FP8_WIRE, "stack_trace")
 
 
 def _getitems(node: fx.Node) -> list[fx.Node] | None:

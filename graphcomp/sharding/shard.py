@@ -50,6 +50,7 @@ from torch.nn import functional as F
 
 from graphcomp import _compat
 from graphcomp.errors import OptimizerParamsError, ShardedModelError
+from graphcomp.fp8 import linear as fp8_linear
 from graphcomp.sharding import embedding_exchange
 from graphcomp.sharding import gather_scope
 from graphcomp.sharding import gloo_groups
@@ -316,6 +317,7 @@ def shard(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     embedding: str = "auto",
+    fp8: str | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``model`` along dim 0 over ``group`` (default:
     the world), in place; returns ``model``.
@@ -341,10 +343,20 @@ def shard(
     of tokens, on NCCL groups, and gathers the table otherwise; ``"exchange"``: it
     always exchanges (ranks with different token counts raise ``RankDivergence``);
     ``"gather"``: it gathers the table on use like any parameter.
+
+    ``fp8``: ``"tensorwise"`` or ``"rowwise"`` trains the model's large linear layers
+    in FP8 (``graphcomp.fp8.convert`` with its default filter, before sharding: the LM
+    head and layers narrower than 2048 stay as they are); their weights are then
+    gathered as FP8 bytes, cast on the shard. ``None`` (default): no FP8. A model
+    converted by ``graphcomp.fp8.convert`` beforehand trains in FP8 with ``fp8=None``.
+    Not with tensor parallelism (``mesh`` with a tp dimension).
     """
     if embedding not in embedding_exchange.EMBEDDING_MODES:
         raise ValueError(f"graphcomp.shard: embedding={embedding!r}; valid: "
                          f"{', '.join(repr(m) for m in embedding_exchange.EMBEDDING_MODES)}")
+    if fp8 is not None and fp8 not in fp8_linear.RECIPE_NAMES:
+        raise ValueError(f"graphcomp.shard: fp8={fp8!r}; valid: None, "
+                         f"{', '.join(repr(r) for r in fp8_linear.RECIPE_NAMES)}")
     plan = None
     if mesh is not None or dp_dim is not None:
         if mesh is None:
@@ -355,6 +367,13 @@ def shard(
         group = plan.group
     two_d = plan is not None and plan.param_mesh is not None
     owners = _validate(model, group, param_dtype, reduce_dtype, allow_dtensor=two_d)
+    if two_d and (fp8 is not None or any(isinstance(m, fp8_linear.Float8Linear) for m in model.modules())):
+        raise NotImplementedError(
+            "graphcomp.shard: FP8 linear layers with tensor parallelism (a mesh with a tp dimension) are not "
+            "supported: their weights reach the layer as tensor-parallel DTensors, which the FP8 matmul does not "
+            "take; shard without fp8 (and without graphcomp.fp8.convert), or over a 1-D mesh")
+    if fp8 is not None:
+        fp8_linear.convert(model, fp8)
     _mark_eager_frames()
     if group is None:
         group = dist.group.WORLD
