@@ -47,9 +47,24 @@ def launch(argv: list[str]) -> int:
         env.setdefault(k, v)
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--master-port", str(_free_port()), "-m", "graphcomp.tools.demo", *argv]
+           "--master-port", str(_free_port()), "-m", "graphcomp.tools.demo", *_without_nproc(argv)]
     print(f"[demo] launching: {' '.join(cmd)}", flush=True)
     return subprocess.call(cmd, env=env)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The ranks' arguments: ``argv`` without ``--nproc N`` / ``--nproc=N`` (the ranks
+    read their number from torchrun; torchrun's own parser takes ``--nproc`` anywhere
+    on its command line for an abbreviation of its ``--nproc-per-node`` and stops)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
 
 
 def _free_port() -> int:

@@ -336,6 +336,23 @@ def test_cli_demo_hands_its_options_to_the_demo(monkeypatch):
     assert seen == [["--steps", "2", "--codegen", "eager"], []]
 
 
+def test_demo_launch_keeps_nproc_for_torchrun_only(monkeypatch):
+    """`graphcomp demo --nproc 1 ...`: torchrun gets --nproc-per-node 1, the ranks get the
+    rest (torchrun's parser stops at a `--nproc` after the module it runs)."""
+    import subprocess
+
+    import graphcomp.tools.demo as demo
+
+    cmds = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, env=None: cmds.append(cmd) or 0)
+    assert demo.launch(["--steps", "2", "--nproc", "1", "--codegen", "eager"]) == 0
+    assert demo.launch(["--nproc=3"]) == 0
+    (a, b) = cmds
+    assert a[a.index("--nproc-per-node") + 1] == "1" and a[a.index("graphcomp.tools.demo") + 1:] == [
+        "--steps", "2", "--codegen", "eager"], a
+    assert b[b.index("--nproc-per-node") + 1] == "3" and b[-1] == "graphcomp.tools.demo", b
+
+
 def test_demo_refuses_a_bad_option_naming_the_valid_ones(capsys):
     """`graphcomp demo --option KEY=VALUE` takes any Config field; a bad one is an error
     before any rank starts."""
