@@ -49,6 +49,37 @@ DECOMPOSITIONS = {**shard_gather.DECOMPOSITIONS, **embedding_exchange.DECOMPOSIT
 log = logging.getLogger(__name__)
 
 
+def drop_unread_gathers(gm: fx.GraphModule) -> int:
+    """Erase from a Dynamo graph the parameter gathers (``graphcomp::gather_shard``,
+    ``graphcomp::gather_table``) whose value nothing reads, and the nodes only they
+    read (the shard's ``to_local``); returns how many gathers it erased.
+
+    Model code that reads only a sharded parameter's dtype, device or shape (ViT's
+    ``projection.weight.dtype``, T5's ``wo.weight.dtype`` in every feed-forward; one
+    read in BERT's MLM head) still calls the gathering property. Dynamo answers the
+    read from the fake value and leaves the call in its graph without users; the
+    decomposition of the gather then makes it an all-gather and a wait, which no later
+    dead-code elimination may drop (collectives have effects), so the weight crossed
+    the wire once more for each such read, every step. The gather ops are pure:
+    AOTAutograd without graphcomp's decomposition (``backend="inductor"``) drops them
+    the same way."""
+    ops = (torch.ops.graphcomp.gather_shard.default, torch.ops.graphcomp.gather_table.default)
+    dead = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops and not n.users]
+    erased: set[fx.Node] = set()
+    for n in dead:
+        stack = [n]
+        while stack:
+            node = stack.pop()
+            if node in erased or node.users or node.op not in ("call_function", "call_method") or node.is_impure():
+                continue
+            stack.extend(node.all_input_nodes)
+            gm.graph.erase_node(node)
+            erased.add(node)
+    if dead:
+        gm.recompile()
+    return len(dead)
+
+
 def _rank_world() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -266,6 +297,10 @@ class FrameCompiler:
     def compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         t0 = time.perf_counter()
         try:
+            dropped = drop_unread_gathers(gm)
+            self.record.info["unread_gathers_dropped"] = dropped
+            if dropped:
+                log.debug("graphcomp frame %d: %d gathers nothing reads erased", self.frame_id, dropped)
             # torch-level passes (dumped as dynamo/input.txt, dynamo/NN-<pass>.*.txt)
             gm = self.run("dynamo", gm, example_inputs)
             if self.cfg.codegen == "inductor":

@@ -620,6 +620,55 @@ def test_dynamo_traces_each_gather_as_one_node(ranks2):
         assert r["gathers"] == r["params"], r
 
 
+class _DtypeReader(nn.Module):
+    """Reads its projection's dtype before using it, as ViT's embeddings
+    (``pixel_values.to(projection.weight.dtype)``) and T5's feed-forwards do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.proj.weight.dtype)
+        return self.head(torch.relu(self.proj(x))).square().mean()
+
+
+def _body_dtype_read(rank, world):
+    import collections
+
+    graphcomp.reset()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _DtypeReader()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    ref(x).backward()
+    graphcomp.shard(model)
+    loss = torch.compile(model, backend="graphcomp", options={"codegen": "eager"})(x)
+    loss.backward()
+    (frame,) = graphcomp.frame_summaries()
+    gathered = collections.Counter(p for c in frame["stages"]["fwd"]["collectives"] if c["kind"] == "all_gather"
+                                   for p in c["params"])
+    grads = {n: p.grad.full_tensor()[:shard_info(model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]).rows]
+             for n, p in model.named_parameters()}
+    return {"dropped": frame["unread_gathers_dropped"], "gathered": dict(gathered), "loss": float(loss),
+            "ref_loss": float(ref(x)), "grads": grads, "ref_grads": {n: p.grad for n, p in ref.named_parameters()}}
+
+
+def test_weight_read_for_its_dtype_is_gathered_once(ranks2):
+    """A parameter whose dtype the forward reads before using it is gathered once, not
+    once per read: the unread gather leaves the graph before it becomes a collective
+    (ViT's patch projection and T5's feed-forward output weights crossed the wire
+    twice and three times per step); loss and gradients are the unsharded model's."""
+    for r in ranks2.run(_body_dtype_read):
+        assert r["dropped"] == 1, r
+        assert len(r["gathered"]) == 4 and set(r["gathered"].values()) == {1}, r["gathered"]
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
+        for n, g in r["ref_grads"].items():
+            torch.testing.assert_close(r["grads"][n], g, rtol=1e-5, atol=1e-7)
+
+
 def test_gather_op_decomposes_under_inductor_even_after_its_table_was_cached():
     """Inductor's AOTAutograd must decompose graphcomp::gather_shard (or graphcomp's
     passes would see no collectives): the backend adds it to Inductor's table, also to
