@@ -124,8 +124,10 @@ def _hf_workloads() -> dict[str, Workload]:
     out = {}
     for fam, spec in hf_models.FAMILIES.items():
         breaks = _HF_GRAPH_BREAKS.get(fam)
+        shape = dict(HF_SIZE_SHAPES[HF_DEFAULT_SIZE])
+        shape["seq"] = hf_models.image_patches(fam, HF_DEFAULT_SIZE) or shape["seq"]  # images: the patch count
         out[f"hf-{fam}"] = Workload(
-            f"hf-{fam}", HF_DEFAULT_SIZE, **HF_SIZE_SHAPES[HF_DEFAULT_SIZE], family=fam, block_fullgraph=breaks is None,
+            f"hf-{fam}", HF_DEFAULT_SIZE, **shape, family=fam, block_fullgraph=breaks is None,
             note=f"transformers {spec.config.removesuffix('Config')} ({spec.kind})"
                  + (f"; fsdp2_compile blocks fullgraph=False: {breaks}" if breaks else ""))
     return out
@@ -139,8 +141,9 @@ def get_workload(name: str, *, batch: int | None = None, seq: int | None = None,
                  hf_size: str | None = None, hf_dropout: float | None = None) -> Workload:
     """The workload ``name`` with the given overrides (None keeps the workload's value).
     ``hf_size`` (HF workloads only) switches the model size and, unless overridden too,
-    takes that size's batch, seq and step counts from :data:`HF_SIZE_SHAPES`;
-    ``hf_dropout`` sets every dropout of the HF model."""
+    takes that size's batch, seq and step counts from :data:`HF_SIZE_SHAPES` (an image
+    family's seq is its patch count at that size); ``hf_dropout`` sets every dropout of
+    the HF model."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; valid: {sorted(WORKLOADS)}")
     w = WORKLOADS[name]
@@ -162,6 +165,12 @@ def get_workload(name: str, *, batch: int | None = None, seq: int | None = None,
                              f"(its blocks take keyword arguments the checkpoint wrapper does not pass); use off")
     kw = {k: v for k, v in dict(batch=batch, seq=seq, warmup=warmup, steps=steps,
                                   activation_checkpointing=activation_checkpointing).items() if v is not None}
+    patches = hf_models.image_patches(w.family, base["preset"]) if w.family is not None else None
+    if patches is not None:  # an image model's sequence is its patch count, fixed by the size
+        if seq is not None and seq != patches:
+            raise ValueError(f"--seq {seq}: the sequence of {name} at size {base['preset']} is its "
+                             f"{patches} patches per image")
+        kw["seq"] = patches
     w = Workload(**{**base, **kw})
     if w.warmup < 1 or w.steps < 1:
         raise ValueError("--warmup and --steps must be >= 1 (the first warmup step is the compile step)")

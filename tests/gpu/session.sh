@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: the GPU tests that matter now, logs and JSON under $OUT (or ./gpu-out).
-#   bash tests/gpu/session.sh [zoo,cudagraphs,sharding,...]      (default: zoo,cudagraphs)
+#   bash tests/gpu/session.sh [zoo,zoob,cudagraphs,sharding,...]      (default: zoo,zoob,cudagraphs)
 # Every step runs under its own timeout; a failing step does not stop the next one.
 set -u
 OUT=${OUT:-./gpu-out}
@@ -13,7 +13,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || 
   nvidia-smi -L
   python -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 } 2>&1 | tee "$OUT/env.txt"
-STEPS=${1:-zoo,cudagraphs}
+STEPS=${1:-zoo,zoob,cudagraphs}
 # the smoke check first (about 15 s): a broken capture path would fail every step
 if [ "${SMOKE:-1}" = 1 ]; then
   t0=$SECONDS
@@ -33,8 +33,13 @@ run() {  # name timeout_s cmd...
   echo "[session] $name rc=$? in $((SECONDS - t0)) s"
   tail -n 25 "$OUT/$name.log"
 }
-GC_ZOO_OUT="$OUT/zoo" run zoo ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 1gpu
-GC_ZOO_OUT="$OUT/zoo2" run zoo2 ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k "2gpu and not exchange and not deep"
+# the zoo in two halves of benchmarks/hf_models.py's FAMILIES (test_hf_zoo_gpu.HALVES), one device call each
+ZOO_A=$(python -c "import sys; sys.path.insert(0, 'tests/gpu'); from test_hf_zoo_gpu import HALVES; print(','.join(HALVES[0]))")
+ZOO_B=$(python -c "import sys; sys.path.insert(0, 'tests/gpu'); from test_hf_zoo_gpu import HALVES; print(','.join(HALVES[1]))")
+GC_ZOO_FAMILIES=$ZOO_A GC_ZOO_OUT="$OUT/zoo" run zoo ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 1gpu
+GC_ZOO_FAMILIES=$ZOO_B GC_ZOO_OUT="$OUT/zoob" run zoob ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k 1gpu
+GC_ZOO_FAMILIES=$ZOO_A GC_ZOO_OUT="$OUT/zoo2" run zoo2 ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k "2gpu and not exchange and not deep"
+GC_ZOO_FAMILIES=$ZOO_B GC_ZOO_OUT="$OUT/zoo2b" run zoo2b ${ZOO_T:-330} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k "2gpu and not exchange and not deep"
 GC_ZOO_OUT="$OUT/deep2" run deep2 ${DEEP2_T:-400} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k deep
 GC_ZOO_OUT="$OUT/exch2" run exch2 ${EXCH2_T:-240} python -m pytest -q -p no:cacheprovider tests/gpu/test_hf_zoo_gpu.py -k exchange
 run cudagraphs ${CG_T:-480} python -m pytest -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py
@@ -64,7 +69,7 @@ GRAPHCOMP_GPU_RESULTS="$OUT" run diverge 300 python -m pytest -q -p no:cacheprov
 GRAPHCOMP_GPU_RESULTS="$OUT" run wholestep ${WS_T:-540} python -m pytest -q -p no:cacheprovider tests/gpu/test_step_capture_gpu.py
 GRAPHCOMP_GPU_RESULTS="$OUT" run tp ${TP_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k tp2
 GRAPHCOMP_GPU_RESULTS="$OUT" run tp4 ${TP4_T:-600} python -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k 2x2
-for z in zoo zoo2 exch2 deep2; do [ -d "$OUT/$z" ] && tar czf "$OUT/$z.tgz" -C "$OUT" "$z" && rm -rf "$OUT/$z"; done
+for z in zoo zoob zoo2 zoo2b exch2 deep2; do [ -d "$OUT/$z" ] && tar czf "$OUT/$z.tgz" -C "$OUT" "$z" && rm -rf "$OUT/$z"; done
 # the device tool returns a limited number of files: one archive for the JSON and the archives
 ( cd "$OUT" && f=$(ls *.json *.tgz 2>/dev/null; true) && [ -n "$f" ] && tar czf results.tar.gz $f && rm -f $f )
 ls -la "$OUT"

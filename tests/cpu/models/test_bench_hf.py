@@ -40,12 +40,26 @@ def _meta(family: str, size: str = "tiny") -> torch.nn.Module:
 
 # --------------------------------------------------------------------------- adapter
 @pytest.mark.parametrize("family,path", [("llama", "model.layers"), ("gpt2", "transformer.h"),
-                                         ("mixtral-eager", "model.layers"), ("bert", "bert.encoder.layer")])
+                                         ("mixtral-eager", "model.layers"), ("bert", "bert.encoder.layer"),
+                                         ("gpt_neox", "gpt_neox.layers"), ("vit", "vit.layers")])
 def test_layers_is_the_models_own_block_list(family, path):
     hf = _meta(family)
     m = hf_adapter.HFLM(hf)
     assert m.layers is hf.get_submodule(path)
     assert len(m.layers) == hf_models.SIZES["tiny"]["layers"]
+
+
+def test_encoder_decoder_layers_are_both_block_lists():
+    """T5: the encoder's and the decoder's blocks, in that order; a block registered
+    under its name replaces the one in the model's own list (what fsdp2_compile does)."""
+    m = hf_adapter.build("t5", "tiny", "cpu", seed=0)
+    enc, dec = list(m.hf.encoder.block), list(m.hf.decoder.block)
+    assert list(m.layers) == enc + dec and len(m.layers) == 2 * hf_models.SIZES["tiny"]["layers"]
+    assert [n for n, _ in m.layers.named_children()] == ["0.0", "0.1", "1.0", "1.1"]
+    assert systems._compile_blocks(m, fullgraph=True) == 4
+    for i, blk in enumerate(m.hf.decoder.block):  # what T5Stack.forward iterates
+        assert isinstance(blk, torch._dynamo.eval_frame.OptimizedModule) and blk._orig_mod is dec[i]
+    assert m.hf.encoder.block[0]._orig_mod is enc[0]
 
 
 def test_unknown_architecture_is_refused():
@@ -56,11 +70,12 @@ def test_unknown_architecture_is_refused():
         hf_adapter.HFLM(NoBlocks())
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
-def test_forward_is_the_models_loss_on_its_labels(family):
+@pytest.mark.parametrize("family,inputs", [("gpt2", "input_ids"), ("bert", "input_ids"), ("t5", "input_ids"),
+                                           ("vit", "pixel_values")])
+def test_forward_is_the_models_loss_on_its_labels(family, inputs):
     m = hf_adapter.build(family, "tiny", "cpu", seed=3, dropout=0.0)
     (tokens, targets), = hf_adapter.make_batches(family, "tiny", 2, 16, 1, 0, 1, seed=5, device="cpu")
-    want = m.hf(input_ids=tokens, labels=targets).loss
+    want = m.hf(**{inputs: tokens}, labels=targets).loss
     assert torch.equal(m(tokens, targets), want)
     # the same weights from the same seed: every system starts from identical parameters
     again = hf_adapter.build(family, "tiny", "cpu", seed=3, dropout=0.0)
@@ -90,6 +105,42 @@ def test_batches_are_rank_slices_of_one_global_batch():
     assert torch.equal(ids, labels)  # causal: labels = input_ids, the model shifts
 
 
+def test_batches_of_every_kind():
+    """seq2seq: source and target token rows of the same length; image: fp32
+    pixel_values of the size's image size and one class per image, the sequence is the
+    patch count; every batch splits into rank rows."""
+    s = hf_models.SIZES["tiny"]
+    b = hf_models.make_batch("t5", 4, 16, seed=0)
+    assert list(b) == ["input_ids", "labels"] and b["labels"].shape == b["input_ids"].shape == (4, 16)
+    assert not torch.equal(b["input_ids"], b["labels"]) and int(b["labels"].min()) >= 3
+    b = hf_models.make_batch("vit", 4, 16, seed=0)
+    assert list(b) == ["pixel_values", "labels"]
+    assert b["pixel_values"].shape == (4, 3, s["image"], s["image"]) and b["pixel_values"].dtype == torch.float32
+    assert b["labels"].shape == (4,) and int(b["labels"].max()) < hf_models.make_config("vit").num_labels
+    assert [v.shape[0] for v in hf_models.split_batch(b, 1, 2).values()] == [2, 2]
+    assert hf_models.image_patches("vit", "tiny") == 16 and hf_models.image_patches("vit", "small") == 1024
+    assert hf_models.image_patches("llama", "small") is None
+    w = workloads.get_workload("hf-vit", hf_size="tiny")
+    assert w.seq == 16 and workloads.WORKLOADS["hf-vit"].seq == 1024
+    with pytest.raises(ValueError, match="the sequence of hf-vit at size tiny is its 16 patches per image"):
+        workloads.get_workload("hf-vit", hf_size="tiny", seq=32)
+    assert hf_adapter.max_positions("t5", "small") is None  # relative positions: no table to outgrow
+
+
+def test_sliding_window_is_shorter_than_the_sequences_and_applied():
+    """Mistral's window is shorter than the sequences trained at each size (tests: 16
+    tiny, 64 gpu-tiny; benchmark: 1024 small) and SDPA applies it: the loss differs
+    from the same weights without a window."""
+    for size, seq in (("tiny", 16), ("gpu-tiny", 64), ("small", 1024)):
+        assert hf_models.make_config("mistral", size).sliding_window < seq
+    m = hf_models.build_model("mistral", "tiny", dropout=0.0)
+    b = hf_models.make_batch(m, 2, 16, seed=0)
+    with torch.no_grad():
+        windowed = m(**b).loss
+        m.config.sliding_window = None
+        assert not torch.equal(windowed, m(**b).loss)
+
+
 def test_model_info_counts_params_and_flops():
     info = hf_adapter.model_info("llama", "tiny", seq=32)
     real = hf_models.build_model("llama", "tiny")
@@ -112,6 +163,19 @@ def test_model_info_counts_params_and_flops():
                  if p.dim() >= 2 and ".experts." not in n and "embed_tokens" not in n)
     k, e = mix.config.num_experts_per_tok, mix.config.num_local_experts
     assert hf_models.flops_per_token(mix, 32) == 6 * (others + experts * k / e) + 6 * s["layers"] * d * 32
+    # encoder-decoder: the tied head once more; encoder, causal decoder and cross attention
+    t5 = _meta("t5")
+    assert t5.lm_head.weight is t5.shared.weight
+    t_dense = sum(p.numel() for p in t5.parameters() if p.dim() == 2) - t5.shared.weight.numel()
+    t_dense -= sum(blk.layer[0].SelfAttention.relative_attention_bias.weight.numel()
+                   for blk in (t5.encoder.block[0], t5.decoder.block[0]))  # (embedding lookups)
+    head = t5.shared.weight.numel()  # the tied head: a matmul all the same
+    assert hf_models.flops_per_token(t5, 32) == 6 * (t_dense + head) + 12 * d * 32 * (s["layers"] + 1.5 * s["layers"])
+    # ViT: a patch is a token; the class token and the position table are no matmul
+    vit = _meta("vit")
+    v_dense = sum(p.numel() for n, p in vit.named_parameters()
+                  if p.dim() >= 2 and not n.endswith(("cls_token", "position_embeddings")))
+    assert hf_models.flops_per_token(vit, 16) == 6 * v_dense + 12 * s["layers"] * d * 16
 
 
 # --------------------------------------------------------------------------- workloads
