@@ -79,9 +79,11 @@ def _graph_headers(stderr: str) -> list[str]:
 def test_torch_logs_module_name_shows_graphcomps_graphs():
     p = _run(_COMPILE.format(pre=""), TORCH_LOGS="+graphcomp")
     heads = _graph_headers(p.stderr)
-    for name in ("graphcomp_frame0_joint_input", "graphcomp_frame0_joint_03_bucket_collectives",
-                 "graphcomp_frame0_fwd_input", "graphcomp_frame0_bwd_04_cudagraphs"):
+    for name in ("graphcomp_frame0_joint_input", "graphcomp_frame0_fwd_input"):
         assert name in heads, (name, heads)
+    # a pass's graph: graphcomp_frame<F>_<stage>_<NN>_<pass> (NN: its place among the stage's passes)
+    for stage, name in (("joint", "bucket_collectives"), ("bwd", "cudagraphs")):
+        assert any(h.startswith(f"graphcomp_frame0_{stage}_") and h.endswith(f"_{name}") for h in heads), (name, heads)
     assert "torch.ops.aten.addmm.default" in p.stderr and '"f32[4, 37][37, 1]cpu"' in p.stderr  # strides, device
     assert "graphcomp frame 0 bwd:" in p.stderr  # graphcomp's own logs come along
 
