@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers")
 
 _HERE = Path(__file__).resolve()
-sys.path[:0] = [str(_HERE.parents[2]), str(_HERE.parents[1] / "cpu" / "models")]
+sys.path[:0] = [str(_HERE.parents[2]), str(_HERE.parents[1] / "cpu"), str(_HERE.parents[1] / "cpu" / "models")]
 
 import test_user_batches as ub  # noqa: E402
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from _fakecuda import fake_cuda_runtime, install_fake_device, install_pretend_cuda
+from _sharded import full_grads
 
 pytest.importorskip("transformers")
 
@@ -55,28 +56,12 @@ def _train(model, batches, step_fn, steps):
         loss = step_fn(model, batches[s])
         loss.backward()
         if s == 0:
-            g1 = _grads(model)
+            g1 = full_grads(model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
     return losses, g1
-
-
-def _grads(model):
-    from graphcomp.sharding.shard import is_sharded, shard_info
-
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        if is_sharded(model):
-            mod, _, attr = name.rpartition(".")
-            info = shard_info(model.get_submodule(mod), attr)
-            out[name] = p.grad.full_tensor().narrow(0, 0, info.rows).reshape(info.shape).clone()
-        else:
-            out[name] = p.grad.detach().clone()
-    return out
 
 
 def _reference(family):

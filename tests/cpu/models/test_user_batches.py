@@ -28,6 +28,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _sharded import full_grads
+
 pytest.importorskip("transformers")
 
 from benchmarks import hf_models as zoo  # noqa: E402
@@ -55,22 +57,6 @@ def _rows(b, rank, world=WORLD):
     return {k: (v[rank * n:(rank + 1) * n] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in b.items()}
 
 
-def _grads(model):
-    from graphcomp.sharding.shard import is_sharded, shard_info
-
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        if is_sharded(model):
-            mod, _, attr = name.rpartition(".")
-            info = shard_info(model.get_submodule(mod), attr)
-            out[name] = p.grad.full_tensor().narrow(0, 0, info.rows).reshape(info.shape).clone()
-        else:
-            out[name] = p.grad.detach().clone()
-    return out
-
-
 def _sgd_steps(model, step_losses, steps):
     """``steps`` SGD steps; ``step_losses(s)`` runs step ``s``'s forwards and
     backwards and returns its (detached) loss. Returns losses and step-1 gradients."""
@@ -79,7 +65,7 @@ def _sgd_steps(model, step_losses, steps):
     for s in range(steps):
         losses.append(float(step_losses(s)))
         if s == 0:
-            g1 = _grads(model)
+            g1 = full_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, g1
@@ -125,16 +111,22 @@ def _chunks(b, rank, world, device="cpu"):
     return [{k: v.to(device) for k, v in c.items()} for c in out]
 
 
+def _backward(model, call, batch, rank, world):
+    """Forward and backward of ``batch``'s chunks (a rank's rows, or every rank's rows
+    in the reference, each loss / world); returns the loss (detached, summed)."""
+    tot = 0.0
+    for c in _chunks(batch, rank, world, _device(model)):
+        loss = call(**c).loss / (world if rank is None else 1)
+        loss.backward()
+        tot += float(loss.detach())
+    return tot
+
+
 def _scenario_padded(model, call, rank, world):
     batches = [_padded_batch(s, [16, 11, 7, 13], 16) for s in range(2)]
 
     def step(s):
-        tot = 0.0
-        for c in _chunks(batches[s], rank, world, _device(model)):
-            loss = call(**c).loss / (world if rank is None else 1)
-            loss.backward()
-            tot += float(loss.detach())
-        return tot
+        return _backward(model, call, batches[s], rank, world)
 
     return (*_sgd_steps(model, step, 2), None)
 
@@ -157,12 +149,7 @@ def _scenario_packed(model, call, rank, world):
          "labels": torch.stack([r[3] for r in rows])}
 
     def step(s):
-        tot = 0.0
-        for c in _chunks(b, rank, world, _device(model)):
-            loss = call(**c).loss / (world if rank is None else 1)
-            loss.backward()
-            tot += float(loss.detach())
-        return tot
+        return _backward(model, call, b, rank, world)
 
     extra = None
     if rank is not None:  # every document's logits, packed (compiled) and alone (eager, same weights)
@@ -179,12 +166,7 @@ def _scenario_varlen(model, call, rank, world):
 
     def step(s):
         b = zoo.make_batch(model, 4, lengths[s], seed=20 + s)
-        tot = 0.0
-        for c in _chunks(b, rank, world, _device(model)):
-            loss = call(**c).loss / (world if rank is None else 1)
-            loss.backward()
-            tot += float(loss.detach())
-        return tot
+        return _backward(model, call, b, rank, world)
 
     return (*_sgd_steps(model, step, len(lengths)), None)
 
@@ -221,12 +203,7 @@ def _scenario_eval(model, call, rank, world):
                 evals.append(float(call(input_ids=c["input_ids"]).logits.float().square().mean()))
                 model.generate(c["input_ids"][:1, :4], max_new_tokens=3, do_sample=False)
             model.train()
-        tot = 0.0
-        for c in _chunks(batches[s], rank, world, _device(model)):
-            loss = call(**c).loss / (world if rank is None else 1)
-            loss.backward()
-            tot += float(loss.detach())
-        return tot
+        return _backward(model, call, batches[s], rank, world)
 
     losses, g1 = _sgd_steps(model, step, 3)
     return losses, g1, evals
